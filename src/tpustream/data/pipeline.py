@@ -1,0 +1,304 @@
+"""The input pipeline: spans -> raw samples -> shuffled -> decoded -> batches -> tensors.
+
+Each stage is one generator; ``ShardStream.__iter__`` composes them for one
+DataLoader worker. Whatever goes wrong with the data, a worker yields exactly
+the number of full batches its plan says, so every replica runs the same
+number of steps and no pod waits forever in an all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from tpustream import storage
+from tpustream.data.augment import Normalizer, random_crop_flip
+from tpustream.data.decode import ImageDecoder, SampleError
+from tpustream.data.manifest import ShardManifest
+from tpustream.data.sharding import (
+    EpochLayout,
+    SampleSpan,
+    order_shards,
+    plan_layout,
+    split_by_replica,
+    split_by_worker,
+    worker_batches,
+)
+from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples
+from tpustream.errors import DataError
+
+log = logging.getLogger(__name__)
+
+ON_ERROR_POLICIES = ("skip", "raise")
+# Bad samples logged per worker and epoch; the rest are only counted.
+MAX_LOGGED_ERRORS = 20
+
+
+class ErrorPolicy:
+    """data.on_error for one worker: log (a bounded number of) bad samples, or raise."""
+
+    def __init__(self, mode: str):
+        if mode not in ON_ERROR_POLICIES:
+            raise ValueError(f"data.on_error must be one of {ON_ERROR_POLICIES}, got {mode!r}")
+        self.mode = mode
+        self.logged = 0
+
+    def __call__(self, url: str, key: str | None, reason: str) -> None:
+        where = f"{url} sample {key}" if key else url
+        if self.mode == "raise":
+            raise DataError(f"{where}: {reason}")
+        if self.logged < MAX_LOGGED_ERRORS:
+            log.warning("skipping bad data: %s: %s", where, reason)
+        elif self.logged == MAX_LOGGED_ERRORS:
+            log.warning("more bad samples in this worker; counting without logging")
+        self.logged += 1
+
+
+@dataclass
+class DecodedSample:
+    image: np.ndarray  # uint8 (C, H, W)
+    label: int
+    real: bool  # False for the wrap-around padding of the last global batch
+
+
+def read_span_samples(spans: Iterable[SampleSpan], on_error: ErrorPolicy) -> Iterator[dict]:
+    """Raw samples of each span, tagged with whether they are padding.
+
+    A shard that cannot be opened is an error whatever the policy (it names
+    the URL). A truncated or corrupt shard ends that span early; the batching
+    stage fills the gap.
+    """
+    for span in spans:
+        with storage.open_read(span.url) as stream:
+            try:
+                for sample in iter_shard_samples(stream, span.url, span.start, span.stop):
+                    sample["__padding__"] = span.padding
+                    yield sample
+            except ShardFormatError as exc:
+                on_error(span.url, None, str(exc).removeprefix(f"{span.url}: "))
+
+
+def shuffle_samples(samples: Iterable[dict], buffer_size: int, rng: np.random.Generator) -> Iterator[dict]:
+    """Shuffle through a buffer of encoded samples (memory: buffer_size samples)."""
+    if buffer_size <= 1:
+        yield from samples
+        return
+    buffer: list[dict] = []
+    for sample in samples:
+        if len(buffer) < buffer_size:
+            buffer.append(sample)
+            continue
+        index = int(rng.integers(buffer_size))
+        buffer[index], sample = sample, buffer[index]
+        yield sample
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def decode_samples(
+    samples: Iterable[dict], decoder: ImageDecoder, on_error: ErrorPolicy
+) -> Iterator[DecodedSample]:
+    """Decoded samples; bad ones are reported to the policy and left out."""
+    for sample in samples:
+        try:
+            image, label = decoder(sample)
+        except SampleError as exc:
+            on_error(sample["__url__"], sample["__key__"], str(exc))
+            continue
+        yield DecodedSample(image, label, not sample["__padding__"])
+
+
+@dataclass
+class Batch:
+    images: np.ndarray  # uint8 (B, C, H, W)
+    labels: np.ndarray  # int64 (B,)
+    real: np.ndarray  # bool (B,): counts in loss and metrics
+    filled: int  # samples the plan expected but the data did not deliver
+
+
+def batch_samples(
+    samples: Iterable[DecodedSample], batch_size: int, num_batches: int, shape: Sequence[int]
+) -> Iterator[Batch]:
+    """Exactly num_batches full batches, whatever the stream delivers.
+
+    If bad data leaves the stream short, the missing places repeat images
+    already seen by this worker (or zeros if there are none), marked not real,
+    so shapes and step counts stay fixed. Surplus samples are never read.
+    """
+    images = np.empty((batch_size, *shape), np.uint8)
+    labels = np.empty(batch_size, np.int64)
+    real = np.empty(batch_size, bool)
+    source = iter(samples)
+    reserve: Batch | None = None
+    for _ in range(num_batches):
+        count = 0
+        for sample in source:
+            images[count] = sample.image
+            labels[count] = sample.label
+            real[count] = sample.real
+            count += 1
+            if count == batch_size:
+                break
+        filled = batch_size - count
+        if filled:
+            if reserve is None and count == 0:
+                images[:] = 0
+                labels[:] = 0
+            else:
+                donor = (
+                    reserve
+                    if reserve is not None
+                    else Batch(images[:count].copy(), labels[:count].copy(), real, 0)
+                )
+                take = np.arange(filled) % len(donor.labels)
+                images[count:] = donor.images[take]
+                labels[count:] = donor.labels[take]
+            real[count:] = False
+        batch = Batch(images.copy(), labels.copy(), real.copy(), filled)
+        reserve = batch
+        yield batch
+
+
+def to_tensors(
+    batches: Iterable[Batch],
+    normalize: Normalizer,
+    rng: np.random.Generator | None,
+    crop_padding: int,
+    hflip: bool,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Augment (when rng is given, i.e. training) and normalise each batch."""
+    for batch in batches:
+        images = batch.images
+        if rng is not None:
+            images = random_crop_flip(images, crop_padding, hflip, rng)
+        yield {
+            "image": normalize(images),
+            "label": torch.from_numpy(batch.labels),
+            "real": torch.from_numpy(batch.real.astype(np.float32)),
+            "filled": torch.tensor(batch.filled, dtype=torch.int64),
+        }
+
+
+class ShardStream(IterableDataset):
+    """One replica's batches of one split, for a DataLoader with batch_size=None."""
+
+    def __init__(
+        self,
+        manifest: ShardManifest,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+        train: bool,
+        seed: int,
+        mean: Sequence[float],
+        std: Sequence[float],
+        shuffle_buffer: int = 0,
+        last_batch: str = "pad",
+        on_error: str = "skip",
+        crop_padding: int = 4,
+        hflip: bool = True,
+    ):
+        super().__init__()
+        self.manifest = manifest
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.train = train
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer if train else 0
+        self.on_error = on_error
+        self.crop_padding = crop_padding
+        self.hflip = hflip
+        self.normalize = Normalizer(mean, std)
+        height, width = manifest.image_size
+        self.decoder = ImageDecoder(
+            manifest.image_format, manifest.channels, height, width, manifest.num_classes
+        )
+        # Validation always pads and masks so it covers every sample once.
+        self.layout: EpochLayout = plan_layout(
+            manifest.num_samples, batch_size, world_size, last_batch if train else "pad", manifest.split
+        )
+        # Shared with persistent DataLoader workers, which hold their own
+        # copy of this object: they read the epoch when each epoch starts.
+        self._epoch = multiprocessing.RawValue("q", 0)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's shard order and random streams (before iterating)."""
+        self._epoch.value = epoch
+
+    def __len__(self) -> int:
+        return self.layout.steps
+
+    def worker_spans(self, worker: int, workers: int) -> list[SampleSpan]:
+        shards = order_shards(self.manifest.shards, self.seed, self.epoch, shuffle=self.train)
+        replica = split_by_replica(shards, self.layout, self.rank)
+        return split_by_worker(replica, self.batch_size, worker, workers)
+
+    def _rng(self, worker: int, stream: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, self.epoch, self.rank, worker, stream])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        on_error = ErrorPolicy(self.on_error)
+        samples = read_span_samples(self.worker_spans(worker, workers), on_error)
+        if self.train:
+            samples = shuffle_samples(samples, self.shuffle_buffer, self._rng(worker, 1))
+        decoded = decode_samples(samples, self.decoder, on_error)
+        batches = batch_samples(
+            decoded,
+            self.batch_size,
+            worker_batches(self.layout.steps, worker, workers),
+            self.decoder.shape,
+        )
+        rng = self._rng(worker, 2) if self.train else None
+        return to_tensors(batches, self.normalize, rng, self.crop_padding, self.hflip)
+
+
+class CountingLoader:
+    """Iterates a DataLoader, taking the host-only 'filled' counts out of each batch.
+
+    The counts never go to the device; the trainer reads them at epoch end.
+    """
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self.filled = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.filled = 0
+        for batch in self.loader:
+            self.filled += int(batch.pop("filled"))
+            yield batch
+
+
+def make_loader(stream: ShardStream, num_workers: int, prefetch_factor: int = 4) -> CountingLoader:
+    """A DataLoader over a ShardStream (its num_workers must match the stream's plan)."""
+    if num_workers != stream.num_workers:
+        raise ValueError("the stream was planned for a different number of workers")
+    loader = DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        # Workers start once per run, not per epoch: in an xmp.spawn replica
+        # the start method is "spawn", and each new worker imports torch (~3 s).
+        persistent_workers=num_workers > 0,
+    )
+    return CountingLoader(loader)

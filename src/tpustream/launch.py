@@ -1,0 +1,280 @@
+"""Resolve the config, check inputs, spawn one replica per XLA device, run each.
+
+Order matters: everything that can be checked without a device is checked
+here in the parent, before ``xmp.spawn``, so bad input costs seconds and one
+clear line instead of N replicas failing (or worse, N-1 replicas waiting
+forever in an all-reduce for the one that failed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from tpustream import storage
+from tpustream.checkpoint import METRICS, load_checkpoint, resolve_resume
+from tpustream.config import Device, TrainConfig
+from tpustream.data.manifest import ShardManifest, load_manifest
+from tpustream.data.sharding import describe_sharing, plan_layout
+from tpustream.errors import ConfigError, TpustreamError
+from tpustream.models import create_model, model_names
+
+log = logging.getLogger(__name__)
+
+# The upstream bug that makes multi-device XLA:CPU unusable for training.
+CPU_COLLECTIVES_BUG = "https://github.com/pytorch/xla/issues/9089"
+
+
+@dataclass
+class RunPlan:
+    """What every replica needs, resolved once in the parent and pickled to each child."""
+
+    cfg: TrainConfig
+    config_dict: dict[str, Any]  # the resolved config as plain data (stored in checkpoints)
+    train: ShardManifest
+    val: ShardManifest
+    resume_url: str | None
+
+
+def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
+    """Resolve interpolations (Hydra's resolvers exist only in this process) and make paths absolute."""
+    OmegaConf.resolve(cfg)
+    for key in ("data.root", "data.train_shards", "data.val_shards", "output_dir", "log_dir"):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and value:
+            OmegaConf.update(cfg, key, storage.absolute(value))
+    if cfg.accelerator.compile_cache_dir:
+        cfg.accelerator.compile_cache_dir = storage.absolute(cfg.accelerator.compile_cache_dir)
+    typed: TrainConfig = OmegaConf.to_object(cfg)
+    plain = OmegaConf.to_container(cfg, enum_to_str=True)
+    return typed, plain
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Checks that need no data and no device."""
+    acc = cfg.accelerator
+    if acc.device == Device.CPU and acc.num_devices not in (None, 1):
+        raise ConfigError(
+            f"accelerator.num_devices={acc.num_devices} on CPU: XLA:CPU collectives deadlock "
+            f"with more than one device ({CPU_COLLECTIVES_BUG}); use 1, or run on TPU"
+        )
+    if acc.device == Device.TPU and acc.num_devices not in (None, 1):
+        raise ConfigError(
+            f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
+            "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
+        )
+    for name, value in (("batch_size", cfg.batch_size), ("epochs", cfg.epochs), ("log_steps", cfg.log_steps)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    if cfg.data.crop_padding < 0 or cfg.data.shuffle_buffer < 0:
+        raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
+    if len(cfg.data.mean) != len(cfg.data.std) or any(s <= 0 for s in cfg.data.std):
+        raise ConfigError("data.mean and data.std need one value per channel, std > 0")
+    if cfg.model.name not in model_names():
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} is not a known model; known: {', '.join(model_names())}"
+        )
+
+
+def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
+    """Checks of the data against the config; world_size None = not known before spawn."""
+    if train.image_size != val.image_size or train.channels != val.channels:
+        raise ConfigError(
+            f"train images are {train.channels}x{train.image_size}, validation images "
+            f"{val.channels}x{val.image_size}; they must match"
+        )
+    if train.classes != val.classes:
+        raise ConfigError("train and validation manifests list different classes")
+    if len(cfg.data.mean) != train.channels:
+        raise ConfigError(f"data.mean has {len(cfg.data.mean)} values, images have {train.channels} channels")
+    if world_size is not None:
+        share = train.num_samples // world_size
+        if cfg.batch_size > share:
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} is larger than a replica's share of the training "
+                f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
+            )
+        plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch.value, "train")
+
+
+def prepare(cfg: DictConfig) -> RunPlan:
+    """Everything before spawning: resolve, validate, load manifests, find the checkpoint."""
+    typed, plain = resolve_config(cfg)
+    check_config(typed)
+    train = load_manifest(typed.data.train_shards)
+    val = load_manifest(typed.data.val_shards)
+    world = 1 if typed.accelerator.device == Device.CPU or typed.accelerator.num_devices == 1 else None
+    check_data(typed, train, val, world)
+    resume_url = resolve_resume(typed.resume, typed.output_dir)
+    return RunPlan(typed, plain, train, val, resume_url)
+
+
+def configure_device_environment(cfg: TrainConfig) -> None:
+    """PJRT reads these when the runtime starts, i.e. in the spawned replicas."""
+    device = cfg.accelerator.device.value
+    previous = os.environ.get("PJRT_DEVICE")
+    if previous and previous != device:
+        log.warning(
+            "PJRT_DEVICE=%s in the environment; accelerator=%s sets %s", previous, device.lower(), device
+        )
+    os.environ["PJRT_DEVICE"] = device
+    if cfg.accelerator.device == Device.CPU:
+        os.environ["CPU_NUM_DEVICES"] = "1"
+
+
+def launch(plan: RunPlan) -> dict[str, Any] | None:
+    """Spawn the replicas and wait for them; returns the final metrics of the run."""
+    configure_device_environment(plan.cfg)
+    import torch_xla.distributed.xla_multiprocessing as xmp  # after PJRT_DEVICE is set
+
+    acc = plan.cfg.accelerator
+    # xmp.spawn accepts nprocs None (a process per device; on CPU one child
+    # process) or 1 (run in this process). CPU goes through a child like TPU
+    # does, so the local run exercises the pod's code path.
+    single = acc.in_process or (acc.device == Device.TPU and acc.num_devices == 1)
+    nprocs = 1 if single else None
+    log.info(
+        "launching on %s (%s); train %d samples in %d shards, validation %d samples; output %s%s",
+        acc.device.value,
+        "in this process" if nprocs == 1 else "one process per device",
+        plan.train.num_samples,
+        len(plan.train.shards),
+        plan.val.num_samples,
+        plan.cfg.output_dir,
+        f"; resuming from {plan.resume_url}" if plan.resume_url else "",
+    )
+    try:
+        xmp.spawn(replica_main, args=(plan,), nprocs=nprocs)
+    except TpustreamError:
+        raise
+    except Exception as exc:  # BrokenProcessPool and friends: the replica logged why
+        raise TpustreamError(
+            f"a replica failed ({exc.__class__.__name__}); its error is logged above"
+        ) from exc
+    return read_final_metrics(plan.cfg.output_dir)
+
+
+def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
+    url = storage.join(output_dir, METRICS)
+    if not storage.exists(url):
+        return None
+    history = json.loads(storage.read_bytes(url))
+    best = max(history, key=lambda m: m["val_accuracy"]) if history else None
+    return {"history": history, "best": best}
+
+
+def setup_replica_logging(rank: int, world_size: int, log_dir: str | None) -> None:
+    """Logging for one replica: its ordinal on every line, to stderr and a file of its own."""
+    fmt = f"%(asctime)s [replica {rank}/{world_size}] %(levelname)s %(name)s: %(message)s"
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_dir and not storage.is_gcs(log_dir):
+        os.makedirs(log_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(log_dir, f"replica-{rank}.log")))
+    logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
+
+
+def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
+    """Build the data, model and trainer of one replica and train."""
+    import torch
+
+    from tpustream.data.pipeline import ShardStream, make_loader
+    from tpustream.training import Trainer
+
+    cfg = plan.cfg
+    check_data(cfg, plan.train, plan.val, runtime.world_size)
+    note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)
+    if note and runtime.is_master:
+        log.warning("train: %s", note)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every replica
+
+    def stream(manifest: ShardManifest, train: bool) -> ShardStream:
+        return ShardStream(
+            manifest,
+            batch_size=cfg.batch_size,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            num_workers=cfg.data.num_workers,
+            train=train,
+            seed=cfg.seed,
+            mean=cfg.data.mean,
+            std=cfg.data.std,
+            shuffle_buffer=cfg.data.shuffle_buffer,
+            last_batch=cfg.data.last_batch.value,
+            on_error=cfg.data.on_error.value,
+            crop_padding=cfg.data.crop_padding,
+            hflip=cfg.data.hflip,
+        )
+
+    train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)
+    if runtime.is_master:
+        layout = train_stream.layout
+        log.info(
+            "train: %d steps/epoch of %d x %d replica(s); %d padded, %d dropped samples per epoch; "
+            "validation: %d steps, %d padded (masked)",
+            layout.steps,
+            layout.batch_size,
+            layout.world_size,
+            layout.padded_samples,
+            layout.dropped_samples,
+            val_stream.layout.steps,
+            val_stream.layout.padded_samples,
+        )
+    height, width = plan.train.image_size
+    model = create_model(
+        cfg.model.name,
+        num_classes=plan.train.num_classes,
+        image_size=max(height, width),
+        channels=plan.train.channels,
+        **cfg.model.options,
+    )
+    trainer = Trainer(
+        cfg,
+        plan.config_dict,
+        runtime,
+        model,
+        make_loader(train_stream, cfg.data.num_workers, cfg.data.prefetch_factor),
+        make_loader(val_stream, cfg.data.num_workers, cfg.data.prefetch_factor),
+    )
+    if plan.resume_url:
+        trainer.restore(load_checkpoint(plan.resume_url))
+        log.info("resumed from %s at epoch %d", plan.resume_url, trainer.start_epoch)
+    summary = trainer.fit()
+    if runtime.is_master:
+        log.info(
+            "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
+            100 * summary["best_accuracy"],
+            summary["best_epoch"],
+            storage.join(cfg.output_dir, "best.pt"),
+        )
+    return summary
+
+
+def replica_main(index: int, plan: RunPlan) -> None:
+    """The xmp.spawn target: one replica, from its device set-up to the end of training."""
+    import torch_xla.runtime as xr
+
+    from tpustream.runtime import XlaRuntime
+
+    world = xr.world_size()
+    setup_replica_logging(xr.global_ordinal(), world, plan.cfg.log_dir)
+    try:
+        run_replica(plan, XlaRuntime(plan.cfg.accelerator.compile_cache_dir))
+    except BaseException as exc:
+        if world == 1:
+            raise
+        # Peers may be waiting in a collective for this replica and would wait
+        # forever. Dying hard breaks xmp.spawn's process pool, which then
+        # terminates every replica of this host.
+        message = str(exc) if isinstance(exc, TpustreamError) else traceback.format_exc()
+        log.error("replica %d failed: %s", index, message)
+        logging.shutdown()
+        os._exit(1)

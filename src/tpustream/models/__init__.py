@@ -1,0 +1,38 @@
+"""Model registry: configs name a model family, ``create_model`` builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from tpustream.errors import ConfigError
+
+ModelFactory = Callable[..., nn.Module]
+_REGISTRY: dict[str, ModelFactory] = {}
+
+
+def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    """Decorator: make a factory ``f(num_classes, image_size, channels, **options)`` findable by name."""
+
+    def wrap(factory: ModelFactory) -> ModelFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def model_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_model(name: str, *, num_classes: int, image_size: int, channels: int, **options) -> nn.Module:
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(model_names())}")
+    return _REGISTRY[name](num_classes=num_classes, image_size=image_size, channels=channels, **options)
+
+
+# Importing the families registers them.
+from tpustream.models import cnn, resnet  # noqa: E402,F401
