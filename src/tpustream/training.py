@@ -249,6 +249,7 @@ class Trainer:
             self.global_step += 1
             if step % self.cfg.log_steps == 0:
                 self.runtime.add_step_closure(self._log_step, (epoch, step, loss, tracker))
+        self.train_loader.raise_if_incomplete("train")
         seconds = time.time() - start
         loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
         global_rate, filled = self.runtime.reduce_host_sum(
@@ -294,6 +295,7 @@ class Trainer:
             loss_sum += (
                 F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
             ).sum()
+        self.val_loader.raise_if_incomplete("validation")
         correct, count, loss_sum = self.runtime.all_reduce_sum([correct, count, loss_sum])
         (filled,) = self.runtime.reduce_host_sum(f"eval-epoch-{epoch}", [self.val_loader.filled])
         correct, count = int(correct.item()), int(count.item())

@@ -31,7 +31,7 @@ from tpustream.data.sharding import (
     worker_batches,
 )
 from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples
-from tpustream.errors import DataError
+from tpustream.errors import DataError, TpustreamError
 
 log = logging.getLogger(__name__)
 
@@ -271,21 +271,48 @@ class ShardStream(IterableDataset):
 class CountingLoader:
     """Iterates a DataLoader, taking the host-only 'filled' counts out of each batch.
 
-    The counts never go to the device; the trainer reads them at epoch end.
+    It also keeps any exception of the DataLoader: torch_xla's ParallelLoader
+    (behind MpDeviceLoader) iterates us on a background thread and, when that
+    thread raises, just closes its queue, so the epoch would end early and
+    silently; on a pod, that replica would then skip all-reduces and hang
+    the others. The trainer calls ``raise_if_incomplete`` after every loop.
     """
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
         self.filled = 0
+        self.batches = 0
+        self.error: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.filled = 0
-        for batch in self.loader:
-            self.filled += int(batch.pop("filled"))
-            yield batch
+        self.filled = self.batches = 0
+        self.error = None
+        try:
+            for batch in self.loader:
+                self.filled += int(batch.pop("filled"))
+                self.batches += 1
+                yield batch
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def raise_if_incomplete(self, split: str) -> None:
+        if self.error is not None:
+            raise _unwrap_worker_error(self.error) from self.error
+        if self.batches != len(self):
+            raise DataError(f"{split} loader yielded {self.batches} of {len(self)} planned batches")
+
+
+def _unwrap_worker_error(exc: BaseException) -> BaseException:
+    """Our one-line error back out of DataLoader's "Caught X in DataLoader worker" text."""
+    if isinstance(exc, TpustreamError) and exc.args and "Original Traceback" in str(exc.args[0]):
+        last = str(exc.args[0]).strip().splitlines()[-1]
+        prefix = f"{type(exc).__module__}.{type(exc).__name__}: "
+        return type(exc)(last.removeprefix(prefix))
+    return exc
 
 
 def make_loader(stream: ShardStream, num_workers: int, prefetch_factor: int = 4) -> CountingLoader:
