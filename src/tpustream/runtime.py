@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -25,7 +25,7 @@ class Runtime(Protocol):
     @property
     def is_master(self) -> bool: ...
 
-    def device_loader(self, loader: Iterable) -> Iterable:
+    def device_loader(self, loader: Iterable) -> Iterator:
         """Iterate loader with batches already on the device (and a step boundary per batch)."""
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -51,6 +51,24 @@ class Runtime(Protocol):
         """Graphs compiled so far in this process (for recompilation checks)."""
 
 
+class _ErrorKeepingIterable:
+    """Iterates a loader on another thread, keeping its exception instead of raising it there."""
+
+    def __init__(self, loader: Iterable):
+        self.loader = loader
+        self.error: Exception | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        self.error = None
+        try:
+            yield from self.loader
+        except Exception as exc:
+            self.error = exc
+
+
 class XlaRuntime:
     """A replica of an xmp.spawn job: one XLA device (a TPU core, or the XLA CPU device)."""
 
@@ -73,12 +91,18 @@ class XlaRuntime:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def device_loader(self, loader: Iterable) -> Iterable:
+    def device_loader(self, loader: Iterable) -> Iterator:
         import torch_xla.distributed.parallel_loader as pl
 
         # MpDeviceLoader moves batches on a background thread and marks a step
-        # at every batch, so the training loop never syncs explicitly.
-        return pl.MpDeviceLoader(loader, self.device)
+        # at every batch, so the training loop never syncs explicitly. If the
+        # loader raises on that thread, torch_xla 2.9 closes the queue as if
+        # the epoch had ended (and the traceback goes to stderr): catch the
+        # error there and raise it here, in the training thread.
+        source = _ErrorKeepingIterable(loader)
+        yield from pl.MpDeviceLoader(source, self.device)
+        if source.error is not None:
+            raise source.error
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         import torch_xla.core.xla_model as xm

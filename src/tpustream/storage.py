@@ -179,7 +179,8 @@ def list_names(prefix: str) -> list[str]:
     folder = name.rstrip("/") + "/" if name else ""
     try:
         blobs = gcs_client().list_blobs(bucket, prefix=folder, delimiter="/")
-        return sorted(b.name[len(folder) :] for b in blobs)
+        # Skip the folder's own placeholder object ("prefix/"), which consoles create.
+        return sorted(b.name[len(folder) :] for b in blobs if b.name != folder)
     except gexc.GoogleAPICallError as exc:
         raise _gcs_error(prefix, exc) from exc
 

@@ -271,44 +271,39 @@ class ShardStream(IterableDataset):
 class CountingLoader:
     """Iterates a DataLoader, taking the host-only 'filled' counts out of each batch.
 
-    It also keeps any exception of the DataLoader: torch_xla's ParallelLoader
-    (behind MpDeviceLoader) iterates us on a background thread and, when that
-    thread raises, just closes its queue, so the epoch would end early and
-    silently; on a pod, that replica would then skip all-reduces and hang
-    the others. The trainer calls ``raise_if_incomplete`` after every loop.
+    A worker's exception comes out as our own one-line error (DataLoader wraps
+    it in a "Caught X in DataLoader worker" text with the worker traceback).
+    The trainer calls ``raise_if_incomplete`` after each loop as a last line
+    of defence: a replica that ran fewer steps than planned would leave the
+    others waiting in an all-reduce.
     """
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
         self.filled = 0
         self.batches = 0
-        self.error: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.filled = self.batches = 0
-        self.error = None
         try:
             for batch in self.loader:
                 self.filled += int(batch.pop("filled"))
                 self.batches += 1
                 yield batch
-        except BaseException as exc:
-            self.error = exc
-            raise
+        except TpustreamError as exc:
+            raise _unwrap_worker_error(exc) from exc
 
     def raise_if_incomplete(self, split: str) -> None:
-        if self.error is not None:
-            raise _unwrap_worker_error(self.error) from self.error
         if self.batches != len(self):
             raise DataError(f"{split} loader yielded {self.batches} of {len(self)} planned batches")
 
 
-def _unwrap_worker_error(exc: BaseException) -> BaseException:
+def _unwrap_worker_error(exc: TpustreamError) -> TpustreamError:
     """Our one-line error back out of DataLoader's "Caught X in DataLoader worker" text."""
-    if isinstance(exc, TpustreamError) and exc.args and "Original Traceback" in str(exc.args[0]):
+    if exc.args and "Original Traceback" in str(exc.args[0]):
         last = str(exc.args[0]).strip().splitlines()[-1]
         prefix = f"{type(exc).__module__}.{type(exc).__name__}: "
         return type(exc)(last.removeprefix(prefix))

@@ -11,6 +11,7 @@ import io
 import os
 import pickle
 import tarfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -45,7 +46,7 @@ DIGITS_TEST_FRACTION = 0.2
 def digits_splits(seed: int = 0) -> list[SplitSource]:
     """scikit-learn's 1,797 8x8 digits (bundled with the package), as 32x32 RGB.
 
-    A seeded, stratified 80/20 split: 1,437 train and 360 test images.
+    A seeded, stratified 80/20 split: 1,438 train and 359 test images.
     """
     from sklearn.datasets import load_digits
 
@@ -81,8 +82,14 @@ class _CifarFiles:
                 for f in files:
                     self._names.setdefault(f, os.path.join(root, f))
         elif os.path.isfile(path) and tarfile.is_tarfile(path):
-            self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 (kept open while loading parts)
-            for member in self._tar.getmembers():
+            try:
+                self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 (kept open while loading parts)
+                members = self._tar.getmembers()
+            except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+                raise ConfigError(
+                    f"--source {path}: unreadable tarball ({exc}); is the download complete?"
+                ) from exc
+            for member in members:
                 if member.isfile():
                     self._names.setdefault(os.path.basename(member.name), member.name)
         else:
@@ -188,12 +195,15 @@ def imagefolder_splits(path: str, image_size: int | None, default_split: str = "
 
 def load_image_file(path: str, size: int) -> np.ndarray:
     """Decode, resize the shorter side to size and center-crop to size x size; uint8 CHW RGB."""
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        w, h = im.size
-        scale = size / min(w, h)
-        im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
-        w, h = im.size
-        left, top = (w - size) // 2, (h - size) // 2
-        im = im.crop((left, top, left + size, top + size))
-        return np.asarray(im, np.uint8).transpose(2, 0, 1).copy()
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            scale = size / min(w, h)
+            im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+            w, h = im.size
+            left, top = (w - size) // 2, (h - size) // 2
+            im = im.crop((left, top, left + size, top + size))
+            return np.asarray(im, np.uint8).transpose(2, 0, 1).copy()
+    except OSError as exc:  # PIL.UnidentifiedImageError, truncated files, vanished files
+        raise ConfigError(f"{path}: cannot decode the image ({exc})") from exc

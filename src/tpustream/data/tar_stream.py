@@ -98,7 +98,10 @@ def iter_shard_samples(
         if len(buf) - pos < BLOCK and not fill(BLOCK):
             if len(buf) - pos:
                 raise ShardFormatError(f"{url}: truncated tar header at byte {consumed + pos}")
-            break  # end of stream without end-of-archive blocks: tolerated like tarfile
+            # tarfile tolerates a missing end-of-archive marker, but every tar
+            # writer emits one: without it the shard was cut at a member
+            # boundary, and the sample being assembled may be incomplete.
+            raise ShardFormatError(f"{url}: truncated (no end-of-archive marker) at byte {consumed + pos}")
         header = buf[pos : pos + BLOCK]
         if header == _ZERO_BLOCK:
             break

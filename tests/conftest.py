@@ -1,0 +1,153 @@
+"""Shared fixtures: the GCS emulator, digits shards, hand-made tar shards, Hydra composition."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tpustream import storage
+from tpustream.data.make_shards import main as make_shards_main
+from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from tpustream.data.tar_stream import write_tar
+from tpustream.emulator import GcsEmulator
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """fake-gcs-server on 127.0.0.1 for the whole session; STORAGE_EMULATOR_HOST is set."""
+    with GcsEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def bucket(gcs_emulator) -> str:
+    """A fresh, empty bucket; returns 'gs://<name>'."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    storage.gcs_client().create_bucket(name)
+    return f"gs://{name}"
+
+
+@pytest.fixture(scope="session")
+def digits_root(tmp_path_factory) -> str:
+    """Local digits shards (train 1438, test 359 samples, 256 per shard)."""
+    root = str(tmp_path_factory.mktemp("digits") / "digits")
+    assert make_shards_main(["digits", root, "--no-progress", "--workers", "1"]) == 0
+    return root
+
+
+def png_bytes(image_chw: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image_chw.transpose(1, 2, 0)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def solid_image(value: int, size: int = 8) -> np.ndarray:
+    """A uint8 (3, size, size) image filled with value: its pixels identify the sample."""
+    return np.full((3, size, size), value, np.uint8)
+
+
+ShardWriter = Callable[..., str]
+
+
+@pytest.fixture
+def write_split(tmp_path) -> ShardWriter:
+    """Write a split by hand: shards of (key, {ext: bytes}) samples plus a manifest.
+
+    write_split("train", [[("k0", {"png": b, "cls": b"1"}), ...], ...], image_size=8)
+    returns the split folder. counts= overrides the manifest's per-shard counts
+    (to describe shards that lost samples).
+    """
+
+    def write(
+        split: str,
+        shards: list[list[tuple[str, dict[str, bytes]]]],
+        *,
+        image_size: int = 8,
+        image_format: str = "png",
+        num_classes: int = 10,
+        counts: list[int] | None = None,
+        root: str | None = None,
+        raw_tars: dict[int, bytes] | None = None,
+    ) -> str:
+        folder = storage.join(root or str(tmp_path / "shards"), split)
+        entries = []
+        for index, samples in enumerate(shards):
+            name = f"{split}-{index:06d}.tar"
+            members: Iterable[tuple[str, bytes]] = (
+                (f"{key}.{ext}", data) for key, fields in samples for ext, data in fields.items()
+            )
+            data = write_tar(members)
+            if raw_tars and index in raw_tars:
+                data = raw_tars[index]
+            storage.write_bytes(storage.join(folder, name), data)
+            entries.append({"name": name, "samples": counts[index] if counts else len(samples)})
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "split": split,
+            "num_samples": sum(e["samples"] for e in entries),
+            "classes": [str(c) for c in range(num_classes)],
+            "image_size": [image_size, image_size],
+            "channels": 3,
+            "image_format": image_format,
+            "shards": entries,
+        }
+        storage.write_bytes(storage.join(folder, MANIFEST_NAME), json.dumps(manifest).encode())
+        return folder
+
+    return write
+
+
+def numbered_samples(start: int, count: int, size: int = 8) -> list[tuple[str, dict[str, bytes]]]:
+    """Samples whose image value and label encode their index (value = index % 256)."""
+    return [
+        (f"{i:06d}", {"png": png_bytes(solid_image(i % 256, size)), "cls": str(i % 10).encode()})
+        for i in range(start, start + count)
+    ]
+
+
+def run_train(
+    *overrides: str, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run train.py in a fresh process (XLA tests must not share a process with eager backward)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=str(REPO),
+    )
+
+
+@pytest.fixture
+def compose_config():
+    """Compose conf/config.yaml with overrides through Hydra, as train.py would."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tpustream.config import register_configs
+
+    register_configs()
+
+    def compose_with(*overrides: str):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            return compose(
+                config_name="config",
+                overrides=["output_dir=/tmp/unused", "log_dir=null", *overrides],
+            )
+
+    yield compose_with
+    GlobalHydra.instance().clear()

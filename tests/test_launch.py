@@ -1,0 +1,76 @@
+"""Checks before spawning: each bad input is one clear error, and nothing is spawned."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.conftest import run_train
+from tpustream.errors import ConfigError
+from tpustream.launch import prepare
+
+
+@pytest.fixture
+def prepared(compose_config, digits_root):
+    def run(*overrides: str):
+        return prepare(compose_config(f"data.root={digits_root}", "resume=null", *overrides))
+
+    return run
+
+
+def test_a_good_config_prepares_a_plan(prepared):
+    plan = prepared()
+    assert plan.train.num_samples == 1438 and plan.val.num_samples == 359
+    assert plan.cfg.data.train_shards.endswith("/train") and plan.resume_url is None
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["accelerator.num_devices=2"], r"XLA:CPU collectives deadlock.*pytorch/xla/issues/9089"),
+        (["accelerator=tpu", "accelerator.num_devices=4"], "TPU_VISIBLE_CHIPS"),
+        (["batch_size=2000"], r"batch_size=2000 is larger than a replica's share.*1438 samples"),
+        (["data.last_batch=drop", "batch_size=1438", "epochs=1"], None),
+        (["data.mean=[0.5]", "data.std=[0.5]"], "data.mean has 1 values, images have 3 channels"),
+        (["model.name=vit"], "model.name='vit' is not a known model"),
+        (["epochs=0"], "epochs must be at least 1"),
+        (["data.num_workers=-1"], "num_workers"),
+        (["resume=/nonexistent/last.pt"], "resume=/nonexistent/last.pt: no checkpoint"),
+    ],
+)
+def test_bad_config_is_a_config_error(prepared, overrides, message):
+    if message is None:
+        prepared(*overrides)  # exactly one global batch: allowed
+        return
+    with pytest.raises(ConfigError, match=message):
+        prepared(*overrides)
+
+
+def test_missing_data_is_named(compose_config, digits_root, tmp_path, gcs_emulator):
+    with pytest.raises(ConfigError, match=f"no shard manifest at {tmp_path}/nothing/train/manifest.json"):
+        prepare(compose_config(f"data.root={tmp_path}/nothing"))
+    with pytest.raises(ConfigError, match="bucket gs://missing-bucket-abc does not exist"):
+        prepare(compose_config("data.root=gs://missing-bucket-abc/digits"))
+
+
+def test_empty_manifest_and_mismatched_splits(compose_config, digits_root, write_split, tmp_path):
+    root = tmp_path / "data"
+    shutil.copytree(f"{digits_root}/train", root / "train")
+    write_split("test", [[]], root=str(root), image_size=32)
+    with pytest.raises(ConfigError, match="has no samples"):
+        prepare(compose_config(f"data.root={root}"))
+    from tests.conftest import numbered_samples
+
+    write_split("test", [numbered_samples(0, 3, 8)], root=str(root), image_size=8)
+    with pytest.raises(ConfigError, match="train images are 3x\\(32, 32\\), validation images 3x\\(8, 8\\)"):
+        prepare(compose_config(f"data.root={root}"))
+
+
+def test_train_py_reports_bad_input_in_one_line_without_spawning(tmp_path):
+    result = run_train(f"data.root={tmp_path}/absent", f"hydra.run.dir={tmp_path}/h", timeout=120)
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"no shard manifest at {tmp_path}/absent/train/manifest.json" in errors[0]
+    assert "Traceback" not in output and "launching" not in output

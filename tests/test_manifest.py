@@ -1,0 +1,65 @@
+"""Loading split manifests from folders, manifest URLs and brace patterns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import numbered_samples
+from tpustream import storage
+from tpustream.data.manifest import load_manifest
+from tpustream.errors import ConfigError
+
+
+@pytest.fixture
+def three_shards(write_split) -> str:
+    return write_split("train", [numbered_samples(0, 3), numbered_samples(3, 4), numbered_samples(7, 5)])
+
+
+def test_folder_manifest_url_and_brace_pattern(three_shards):
+    whole = load_manifest(three_shards)
+    assert whole.num_samples == 12 and [s.samples for s in whole.shards] == [3, 4, 5]
+    assert whole.shards[0].url == storage.join(three_shards, "train-000000.tar")
+    assert load_manifest(storage.join(three_shards, "manifest.json")).shards == whole.shards
+    subset = load_manifest(storage.join(three_shards, "train-{000001..000002}.tar"))
+    assert [s.samples for s in subset.shards] == [4, 5] and subset.num_samples == 9
+    assert load_manifest(storage.join(three_shards, "train-000002.tar")).num_samples == 5
+
+
+def test_relative_paths_are_made_absolute(three_shards, monkeypatch):
+    monkeypatch.chdir(storage.dirname(three_shards))
+    assert load_manifest("train").shards[0].url == storage.join(three_shards, "train-000000.tar")
+
+
+def test_missing_manifest_names_the_url(tmp_path):
+    with pytest.raises(ConfigError, match=f"no shard manifest at {tmp_path}/nowhere/manifest.json"):
+        load_manifest(str(tmp_path / "nowhere"))
+
+
+def test_pattern_naming_shards_outside_the_manifest(three_shards):
+    with pytest.raises(ConfigError, match=r"1 shard\(s\) not listed.*train-000003\.tar"):
+        load_manifest(storage.join(three_shards, "train-{000002..000003}.tar"))
+
+
+def test_empty_and_invalid_manifests(write_split, tmp_path):
+    empty = write_split("val", [[]])
+    with pytest.raises(ConfigError, match="has no samples"):
+        load_manifest(empty)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a valid tpustream manifest"):
+        load_manifest(str(bad))
+    (bad / "manifest.json").write_text(json.dumps({"format": "something/else"}))
+    with pytest.raises(ConfigError, match="expected 'tpustream.manifest/1'"):
+        load_manifest(str(bad))
+
+
+def test_manifest_in_a_bucket_and_missing_bucket(bucket, write_split):
+    folder = write_split("train", [numbered_samples(0, 2)], root=f"{bucket}/data")
+    assert load_manifest(folder).num_samples == 2
+    with pytest.raises(ConfigError, match="bucket gs://no-such-bucket-xyz does not exist"):
+        load_manifest("gs://no-such-bucket-xyz/data/train")
+    with pytest.raises(ConfigError, match="no such object"):
+        load_manifest(f"{bucket}/elsewhere/train")
