@@ -194,10 +194,15 @@ def write_bytes(url: str, data: bytes) -> None:
     if is_gcs(url):
         from google.api_core import exceptions as gexc
 
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
         bucket, name = split_gcs_url(url)
         try:
             blob = gcs_client().bucket(bucket).blob(name)
-            blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True)
+            # The client retries uploads only under a generation precondition.
+            # Ours are whole-object writes of the same bytes, so repeating one
+            # is harmless: retry transient errors (429, 5xx, resets) always.
+            blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=DEFAULT_RETRY)
         except gexc.GoogleAPICallError as exc:
             raise _gcs_error(url, exc) from exc
         return
@@ -223,6 +228,28 @@ def write_bytes(url: str, data: bytes) -> None:
         raise
 
 
+def delete(url: str) -> bool:
+    """Remove a file or object; False if it was not there."""
+    if not is_gcs(url):
+        try:
+            os.unlink(url)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"{url}: {exc.strerror or exc}") from exc
+    from google.api_core import exceptions as gexc
+
+    bucket, name = split_gcs_url(url)
+    try:
+        gcs_client().bucket(bucket).blob(name).delete()
+        return True
+    except gexc.NotFound:
+        return False
+    except gexc.GoogleAPICallError as exc:
+        raise _gcs_error(url, exc) from exc
+
+
 def has_same_content(url: str, data: bytes) -> bool:
     """True if url already holds exactly data (lets a rerun skip finished work)."""
     if not is_gcs(url):
@@ -243,6 +270,8 @@ def has_same_content(url: str, data: bytes) -> bool:
         blob = gcs_client().bucket(bucket).get_blob(name)
     except gexc.NotFound:
         return False
+    except gexc.GoogleAPICallError as exc:
+        raise _gcs_error(url, exc) from exc
     if blob is None or blob.size != len(data) or not blob.crc32c:
         return False
     local = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()

@@ -138,33 +138,36 @@ def write_split(
                 image_size=split.image_size[0],
             )
         )
-    counts: dict[str, int] = {}
-    written = 0
-    bar = tqdm(total=len(order), desc=f"{split.name} shards", unit="img", disable=not progress)
-    if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = pool.map(_run_task, tasks)
-            for url, count, did_write in results:
-                counts[url] = count
-                written += did_write
-                bar.update(count)
-    else:
-        for task in tasks:
-            url, count, did_write = task.run()
-            counts[url] = count
-            written += did_write
-            bar.update(count)
-    bar.close()
     manifest = ShardManifest(
         split=split.name,
         classes=split.classes,
         image_size=split.image_size,
         channels=split.channels,
         image_format=image_format,
-        shards=[ShardInfo(t.url, counts[t.url]) for t in tasks],
+        shards=[ShardInfo(t.url, len(t.keys)) for t in tasks],
     )
+    manifest_url = storage.join(folder, MANIFEST_NAME)
+    manifest_text = manifest.to_json(folder).encode()
+    # A manifest describing other shards (another seed, size or format) must
+    # not stay visible while its shards are overwritten: a reader would trust
+    # its counts. Without a manifest the split is plainly unusable until done.
+    if not storage.has_same_content(manifest_url, manifest_text) and storage.delete(manifest_url):
+        log.info("%s: removed the previous manifest; it describes different shards", manifest_url)
+    written = 0
+    bar = tqdm(total=len(order), desc=f"{split.name} shards", unit="img", disable=not progress)
+    if workers > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for _, count, did_write in pool.map(_run_task, tasks):
+                written += did_write
+                bar.update(count)
+    else:
+        for task in tasks:
+            _, count, did_write = task.run()
+            written += did_write
+            bar.update(count)
+    bar.close()
     _warn_stale_shards(folder, split.name, len(tasks))
-    storage.write_bytes(storage.join(folder, MANIFEST_NAME), manifest.to_json(folder).encode())
+    storage.write_bytes(manifest_url, manifest_text)
     return manifest, written
 
 
@@ -220,7 +223,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--image-size", type=int, default=None, help="imagefolder: resize shorter side and center-crop to SxS"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the training-split write order")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the training-split write order (and of the digits train/test split)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
