@@ -193,7 +193,6 @@ def write_bytes(url: str, data: bytes) -> None:
     """
     if is_gcs(url):
         from google.api_core import exceptions as gexc
-
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         bucket, name = split_gcs_url(url)
