@@ -26,8 +26,6 @@ def stream(folder: str, *, rank=0, world=1, workers=0, train=True, batch=8, **kw
         num_workers=workers,
         train=train,
         seed=7,
-        mean=[0.0, 0.0, 0.0],
-        std=[1.0, 1.0, 1.0],
         shuffle_buffer=16,
         crop_padding=0,  # keep pixels intact: a sample's value identifies it
         hflip=False,
@@ -38,7 +36,7 @@ def stream(folder: str, *, rank=0, world=1, workers=0, train=True, batch=8, **kw
 
 def pixel_ids(batch: dict[str, torch.Tensor]) -> list[tuple[int, bool]]:
     """(sample index encoded in the pixels, is real) for each sample of a batch."""
-    values = (batch["image"][:, 0, 0, 0] * 255).round().int().tolist()
+    values = batch["image"][:, 0, 0, 0].tolist()
     return list(zip(values, (batch["real"] > 0).tolist(), strict=True))
 
 
@@ -71,7 +69,7 @@ def test_every_sample_exactly_once_across_simulated_replicas(uneven_split, train
         batches = run_epoch(s, workers)
         assert len(batches) == s.layout.steps == 5  # ceil(103 / 24)
         for b in batches:
-            assert b["image"].shape == (batch, 3, SIZE, SIZE) and b["image"].dtype == torch.float32
+            assert b["image"].shape == (batch, 3, SIZE, SIZE) and b["image"].dtype == torch.uint8
             assert b["label"].shape == (batch,) and b["label"].dtype == torch.int64
             for value, real in pixel_ids(b):
                 if real:
@@ -89,7 +87,7 @@ def test_validation_order_is_fixed_and_labels_match(uneven_split):
     values = [v for batch in first for v, real in batch if real]
     assert values == list(range(103))  # manifest order, no shuffle
     for b in run_epoch(s, 0):
-        ids = (b["image"][:, 0, 0, 0] * 255).round().long()
+        ids = b["image"][:, 0, 0, 0].long()
         assert torch.equal(b["label"], ids % 10)
 
 
@@ -108,17 +106,13 @@ def test_drop_policy_runs_whole_global_batches_only(uneven_split):
     assert all(real for b in batches for _, real in pixel_ids(b))
 
 
-def test_raw_format_and_normalisation(write_split):
+def test_raw_format_is_passed_through_exactly(write_split):
     image = np.arange(3 * SIZE * SIZE, dtype=np.uint8).reshape(3, SIZE, SIZE)
     folder = write_split(
         "train", [[("a", {"raw": image.tobytes(), "cls": b"3"})]], image_size=SIZE, image_format="raw"
     )
-    s = stream(folder, train=False, batch=1, mean=[0.1, 0.2, 0.3], std=[0.5, 0.25, 2.0])
-    (batch,) = run_epoch(s, 0)
-    expected = (
-        torch.from_numpy(image).float() / 255 - torch.tensor([0.1, 0.2, 0.3]).view(3, 1, 1)
-    ) / torch.tensor([0.5, 0.25, 2.0]).view(3, 1, 1)
-    torch.testing.assert_close(batch["image"][0], expected)
+    (batch,) = run_epoch(stream(folder, train=False, batch=1), 0)
+    assert torch.equal(batch["image"][0], torch.from_numpy(image))
     assert batch["label"].tolist() == [3]
 
 

@@ -72,8 +72,8 @@ def test_has_same_content(root):
 
 
 def test_open_read_streams(root, monkeypatch):
-    # Small GCS chunks: the reader must stitch several range requests together.
-    monkeypatch.setattr(storage, "GCS_READ_CHUNK_BYTES", 64 * 1024)
+    # Small read-ahead pieces: the reader must stitch many of them together.
+    monkeypatch.setattr(storage, "READ_AHEAD_PIECE_BYTES", 64 * 1024)
     data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
     url = storage.join(root, "big.bin")
     storage.write_bytes(url, data)
@@ -199,3 +199,121 @@ def test_local_write_mode_follows_umask(tmp_path, umask, mode):
         os.umask(previous)
     assert os.stat(url).st_mode & 0o777 == mode
     assert storage.read_bytes(url) == b"data"
+
+
+def test_gcs_read_ahead_stream_reads_everything_and_closes_early(bucket, monkeypatch):
+    monkeypatch.setattr(storage, "READ_AHEAD_PIECE_BYTES", 1000)
+    monkeypatch.setattr(storage, "READ_AHEAD_PIECES", 2)
+    data = os.urandom(10_000)
+    url = storage.join(bucket, "stream.bin")
+    storage.write_bytes(url, data)
+    with storage.open_read(url) as stream:
+        assert isinstance(stream, storage.ReadAheadStream)
+        parts = []
+        while piece := stream.read(777):
+            assert len(piece) <= 777
+            parts.append(piece)
+    assert b"".join(parts) == data
+    with storage.open_read(url) as stream:
+        assert stream.read(10) == data[:10]  # closing with unread pieces queued must not hang
+    assert stream._thread.is_alive() is False
+
+
+def test_read_ahead_errors_are_raised_by_read_naming_the_url():
+    class Failing:
+        def __init__(self):
+            self.calls = 0
+
+        def read(self, n):
+            self.calls += 1
+            if self.calls > 1:
+                raise ConnectionResetError("peer went away")
+            return b"x" * n
+
+        def close(self):
+            pass
+
+    stream = storage.ReadAheadStream(Failing(), "gs://bkt/shard.tar", piece_bytes=4, pieces=1)
+    assert stream.read(4) == b"xxxx"
+    with pytest.raises(
+        StorageError, match=r"gs://bkt/shard.tar: read failed \(ConnectionResetError: peer went away\)"
+    ):
+        stream.read(4)
+    stream.close()
+
+
+class FakeResponse:
+    def __init__(self, status: int, body: bytes = b"", break_after: int | None = None):
+        self.status_code = status
+        self._body = body
+        self._pos = 0
+        self._break_after = break_after
+        self.raw = self
+
+    def read(self, n, decode_content=False):
+        if self._break_after is not None and self._pos >= self._break_after:
+            raise ConnectionResetError("connection reset by peer")
+        end = self._pos + n if self._break_after is None else min(self._pos + n, self._break_after)
+        data = self._body[self._pos : end]
+        self._pos += len(data)
+        return data
+
+    def close(self):
+        pass
+
+
+class FakeSession:
+    """Serves `data`, breaking or failing requests as scripted: one entry per GET."""
+
+    def __init__(self, data: bytes, script: list):
+        self.data = data
+        self.script = list(script)
+        self.ranges: list[str | None] = []
+
+    def get(self, url, headers, stream, timeout):
+        self.ranges.append(headers.get("Range"))
+        start = int(headers["Range"][6:-1]) if "Range" in headers else 0
+        action = self.script.pop(0) if self.script else "ok"
+        if isinstance(action, int):
+            return FakeResponse(action)
+        if action == "ignore-range":
+            return FakeResponse(200, self.data)
+        body = self.data[start:]
+        status = 206 if start else 200
+        if action == "break":
+            return FakeResponse(status, body, break_after=len(body) // 3)
+        return FakeResponse(status, body)
+
+
+def read_all(stream, piece=4096):
+    out = []
+    while chunk := stream.read(piece):
+        out.append(chunk)
+    return b"".join(out)
+
+
+def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    data = os.urandom(100_000)
+    session = FakeSession(data, ["break", 503, "break", 429, "ok"])
+    stream = storage.GcsObjectStream(session, "https://gcs/o", len(data), "gs://bkt/shard.tar")
+    assert read_all(stream) == data
+    assert session.ranges[0] is None
+    offsets = [int(r[6:-1]) for r in session.ranges[1:]]
+    assert offsets == sorted(offsets) and offsets[0] > 0  # resumed, never rewound
+
+
+def test_gcs_stream_gives_up_and_refuses_a_server_that_ignores_ranges(monkeypatch):
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    data = os.urandom(10_000)
+    stream = storage.GcsObjectStream(FakeSession(data, [503] * 20), "u", len(data), "gs://bkt/a.tar")
+    with pytest.raises(StorageError, match=r"gs://bkt/a.tar: download failed 8 times at byte 0 \(HTTP 503\)"):
+        stream.read(100)
+    stream = storage.GcsObjectStream(
+        FakeSession(data, ["break", "ignore-range"]), "u", len(data), "gs://bkt/b.tar"
+    )
+    with pytest.raises(StorageError, match="ignored a ranged read"):
+        read_all(stream)
+    stream = storage.GcsObjectStream(FakeSession(data, [404]), "u", len(data), "gs://bkt/c.tar")
+    with pytest.raises(StorageError, match=r"gs://bkt/c.tar: no such object \(404\)"):
+        stream.read(1)

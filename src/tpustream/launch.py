@@ -205,8 +205,6 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             num_workers=cfg.data.num_workers,
             train=train,
             seed=cfg.seed,
-            mean=cfg.data.mean,
-            std=cfg.data.std,
             shuffle_buffer=cfg.data.shuffle_buffer,
             last_batch=cfg.data.last_batch.value,
             on_error=cfg.data.on_error.value,

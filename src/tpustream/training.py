@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tpustream import checkpoint, storage
 from tpustream.config import OptimizerName, Schedule, TrainConfig
+from tpustream.data.augment import Normalizer
 from tpustream.data.pipeline import CountingLoader
 from tpustream.runtime import Runtime
 
@@ -152,6 +153,7 @@ class Trainer:
         self.model = model.to(runtime.device)
         self.optimizer = build_optimizer(cfg, self.model)
         prime_optimizer_state(self.optimizer)
+        self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.steps_per_epoch = len(train_loader)
@@ -203,7 +205,7 @@ class Trainer:
         with torch.autocast(
             self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.accelerator.bf16
         ):
-            logits = self.model(batch["image"])
+            logits = self.model(self.normalize(batch["image"]))
         per_sample = F.cross_entropy(
             logits.float(), batch["label"], reduction="none", label_smoothing=self.cfg.optim.label_smoothing
         )
@@ -288,7 +290,7 @@ class Trainer:
             with torch.autocast(
                 self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.accelerator.bf16
             ):
-                logits = self.model(batch["image"])
+                logits = self.model(self.normalize(batch["image"]))
             real = batch["real"] > 0
             correct += (logits.argmax(dim=1).eq(batch["label"]) & real).sum().int()
             count += real.sum().int()

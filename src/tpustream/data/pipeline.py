@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tpustream import storage
-from tpustream.data.augment import Normalizer, random_crop_flip
+from tpustream.data.augment import random_crop_flip
 from tpustream.data.decode import ImageDecoder, SampleError
 from tpustream.data.manifest import ShardManifest
 from tpustream.data.sharding import (
@@ -74,14 +74,25 @@ def read_span_samples(spans: Iterable[SampleSpan], on_error: ErrorPolicy) -> Ite
     the URL). A truncated or corrupt shard ends that span early; the batching
     stage fills the gap.
     """
-    for span in spans:
-        with storage.open_read(span.url) as stream:
-            try:
+    spans = list(spans)
+    upcoming = storage.open_read(spans[0].url) if spans else None
+    for index, span in enumerate(spans):
+        stream = upcoming
+        # Open the next shard now: on GCS its first bytes download (on the
+        # stream's read-ahead thread) while this one is decoded, hiding the
+        # per-shard request latency.
+        upcoming = storage.open_read(spans[index + 1].url) if index + 1 < len(spans) else None
+        try:
+            with stream:
                 for sample in iter_shard_samples(stream, span.url, span.start, span.stop):
                     sample["__padding__"] = span.padding
                     yield sample
-            except ShardFormatError as exc:
-                on_error(span.url, None, str(exc).removeprefix(f"{span.url}: "))
+        except ShardFormatError as exc:
+            on_error(span.url, None, str(exc).removeprefix(f"{span.url}: "))
+        except BaseException:
+            if upcoming is not None:
+                upcoming.close()
+            raise
 
 
 def shuffle_samples(samples: Iterable[dict], buffer_size: int, rng: np.random.Generator) -> Iterator[dict]:
@@ -90,11 +101,14 @@ def shuffle_samples(samples: Iterable[dict], buffer_size: int, rng: np.random.Ge
         yield from samples
         return
     buffer: list[dict] = []
+    picks: list[int] = []  # random slots drawn in blocks: one call per sample cost ~1.6 us
     for sample in samples:
         if len(buffer) < buffer_size:
             buffer.append(sample)
             continue
-        index = int(rng.integers(buffer_size))
+        if not picks:
+            picks = rng.integers(buffer_size, size=1024).tolist()
+        index = picks.pop()
         buffer[index], sample = sample, buffer[index]
         yield sample
     rng.shuffle(buffer)
@@ -165,20 +179,19 @@ def batch_samples(
         yield batch
 
 
-def to_tensors(
-    batches: Iterable[Batch],
-    normalize: Normalizer,
-    rng: np.random.Generator | None,
-    crop_padding: int,
-    hflip: bool,
+def augment_batches(
+    batches: Iterable[Batch], rng: np.random.Generator | None, crop_padding: int, hflip: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Augment (when rng is given, i.e. training) and normalise each batch."""
+    """Augment (when rng is given, i.e. training) and wrap each batch as tensors.
+
+    Images stay uint8: the trainer normalises them on the device.
+    """
     for batch in batches:
         images = batch.images
         if rng is not None:
             images = random_crop_flip(images, crop_padding, hflip, rng)
         yield {
-            "image": normalize(images),
+            "image": torch.from_numpy(images),
             "label": torch.from_numpy(batch.labels),
             "real": torch.from_numpy(batch.real.astype(np.float32)),
             "filled": torch.tensor(batch.filled, dtype=torch.int64),
@@ -186,7 +199,12 @@ def to_tensors(
 
 
 class ShardStream(IterableDataset):
-    """One replica's batches of one split, for a DataLoader with batch_size=None."""
+    """One replica's batches of one split, for a DataLoader with batch_size=None.
+
+    Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
+    float32 (B,) 1 for samples that count in loss and metrics, "filled": the
+    number of places bad data left empty}.
+    """
 
     def __init__(
         self,
@@ -198,8 +216,6 @@ class ShardStream(IterableDataset):
         num_workers: int,
         train: bool,
         seed: int,
-        mean: Sequence[float],
-        std: Sequence[float],
         shuffle_buffer: int = 0,
         last_batch: str = "pad",
         on_error: str = "skip",
@@ -218,7 +234,6 @@ class ShardStream(IterableDataset):
         self.on_error = on_error
         self.crop_padding = crop_padding
         self.hflip = hflip
-        self.normalize = Normalizer(mean, std)
         height, width = manifest.image_size
         self.decoder = ImageDecoder(
             manifest.image_format, manifest.channels, height, width, manifest.num_classes
@@ -265,7 +280,7 @@ class ShardStream(IterableDataset):
             self.decoder.shape,
         )
         rng = self._rng(worker, 2) if self.train else None
-        return to_tensors(batches, self.normalize, rng, self.crop_padding, self.hflip)
+        return augment_batches(batches, rng, self.crop_padding, self.hflip)
 
 
 class CountingLoader:

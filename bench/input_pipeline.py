@@ -1,0 +1,664 @@
+"""Input-pipeline throughput: stock PyTorch/WebDataset loading against tpustream's ShardStream.
+
+Reproduce (from the repository root; about 4 minutes on 2 idle cores):
+
+    .venv/bin/python bench/input_pipeline.py                # 20000 images -> bench/results/
+    .venv/bin/python bench/input_pipeline.py --quick        # ~3000 images -> bench/results/quick/
+    .venv/bin/python bench/input_pipeline.py --profile ours-local   # cProfile one config, w=0
+
+Every configuration sees the same images: scikit-learn's digits (train split,
+32x32 RGB) repeated to --num-images copies, each copy shifted, coloured and
+given mild pixel noise so its PNG compresses like a small natural image rather
+than a flat synthetic one (the average PNG size is printed). Labels are the
+digits. "Stock transforms" are PIL decode + convert("RGB") and
+Compose([RandomCrop(32, padding=4), RandomHorizontalFlip(), ToTensor(),
+Normalize(mean, std)]); tpustream applies the same crop/flip/normalise per
+batch (tpustream.data.augment). Batches hold 128 samples.
+
+Configurations (w = DataLoader num_workers, measured with 0 and 2):
+
+    L              the stock limit: decode + stock transforms + torch.stack from PNG
+                   bytes already in memory, one process, no I/O.
+    L_ours         our limit: ImageDecoder + batch_samples + augment_batches + Normalizer (tpustream's
+                   decode and batch-level augmentation) on in-memory sample dicts.
+    A  (w)         torchvision ImageFolder over one PNG file per image + stock
+                   transforms, DataLoader(batch_size=128, shuffle=True).
+    B  (w)         the stock WebDataset chain on local tar shards:
+                   WebDataset(urls, shardshuffle=100).shuffle(2000).decode("pil")
+                   .to_tuple("png", "cls").map_tuple(stock_transform, int).batched(128)
+                   in DataLoader(batch_size=None): batching inside each worker, as the
+                   WebDataset examples do, since sending single samples between
+                   processes is slow.
+    C  (w)         B reading gs:// URLs from a local GCS emulator (fake-gcs-server).
+                   webdataset opens gs:// with a `gsutil cat` subprocess and gsutil is
+                   not installed, so C registers an in-process gs:// opener in
+                   webdataset.gopen.gopen_schemes that returns tpustream.storage.open_read.
+    ours-local (w) ShardStream(train=True, shuffle_buffer=2000, crop_padding=4, hflip)
+                   via make_loader, PNG shards in a local folder.
+    ours-gcs (w)   the same shards read from the emulator bucket.
+    ours-raw-local / ours-raw-gcs (w)
+                   the same with image_format="raw" shards (uint8 CHW pixels, no decode).
+
+Timing: one untimed warm-up pass, then full timed passes, repeated until at
+least --min-seconds have been measured. The clock of a pass starts when its
+first batch arrives and only samples after that batch count, so DataLoader
+worker start-up (and filling the first shuffle buffer) is not charged to any
+configuration. samples/s = counted samples / measured wall seconds.
+torch.set_num_threads(1) is set for the whole run so the single-process
+configurations get one core like each DataLoader worker (which PyTorch already
+limits to one thread); the machine this was written on has 2 cores.
+ShardStream uses last_batch="drop" so every counted sample is a distinct image.
+The "other load" column is the CPU (in cores) that other programs used while a
+configuration ran: on a shared 2-core machine, anything above ~0.1 means that
+row is slowed down by someone else and should be rerun.
+
+Memory: for ours-local with 0 workers, a fresh process per shuffle buffer size
+(2000, then 200) iterates one pass and records its peak RSS growth: the kernel's
+high-water mark (VmHWM, what ru_maxrss reports) reset to the current RSS just
+before the pass, minus that RSS. The difference between the two is what the
+shuffle buffer costs (~2000 encoded samples); the rest is per-pass working
+memory (read buffers, batch arrays, decode output) that does not depend on it.
+
+Outputs: OUT/results.json and OUT/input_pipeline.png (samples/s bar chart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import multiprocessing
+import os
+import platform
+import pstats
+import resource
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torchvision
+import webdataset as wds
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision import transforms
+from torchvision.datasets import ImageFolder
+
+from tpustream import storage
+from tpustream.data.augment import Normalizer
+from tpustream.data.decode import ImageDecoder
+from tpustream.data.make_shards import encode_image, write_split
+from tpustream.data.manifest import load_manifest
+from tpustream.data.pipeline import (
+    ErrorPolicy,
+    ShardStream,
+    augment_batches,
+    batch_samples,
+    decode_samples,
+    make_loader,
+)
+from tpustream.data.sources import SplitSource, digits_splits
+from tpustream.data.tar_stream import iter_shard_samples
+from tpustream.emulator import GcsEmulator
+
+BATCH_SIZE = 128
+SHUFFLE_BUFFER = 2000
+MEMORY_SHUFFLE_BUFFERS = (2000, 200)
+CROP_PADDING = 4
+IMAGE_SIZE = 32
+NUM_CLASSES = 10
+# CIFAR-10's statistics (conf/data/cifar10.yaml); any fixed values do, as long
+# as every configuration uses the same ones.
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+WORKER_COUNTS = (0, 2)
+MAX_SAMPLES_PER_SHARD = 1000
+SEED = 0
+DEFAULT_NUM_IMAGES = 20000
+QUICK_NUM_IMAGES = 3000
+B_BATCHING = "WebDataset.batched(128) + DataLoader(batch_size=None)"
+
+Batch = tuple | list | dict
+Epoch = Callable[[], Iterator[Batch]]  # each call starts one pass over the data
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class BenchData:
+    """The benchmark images in every form the configurations read."""
+
+    keys: list[str]
+    labels: list[int]
+    png: list[bytes]  # encode_image(..., "png"), the same bytes the PNG shards hold
+    image_folder: str  # root/<class>/<key>.png for ImageFolder
+    shard_roots: dict[tuple[str, str], str] = field(default_factory=dict)  # (format, where) -> split
+
+    def shard_urls(self, image_format: str, where: str) -> list[str]:
+        return [s.url for s in load_manifest(self.shard_roots[image_format, where]).shards]
+
+
+def make_images(num_images: int, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """num_images uint8 (3, 32, 32) digit images, every copy of a source image different.
+
+    Bilinear-upsampled 8x8 grey digits compress to about 1.1 KB as PNG, much
+    less than real photos of that size; a random shift, random foreground and
+    background colours and Gaussian noise (sigma 6) per copy give
+    realistically sized PNGs while the digit stays recognisable. Returns
+    (images, labels, number of distinct source images).
+    """
+    train = digits_splits(seed)[0]
+    grey = np.stack(train.images)[:, 0].astype(np.float32) / 255.0  # (n, 32, 32)
+    rng = np.random.default_rng(seed)
+    source = np.arange(num_images) % len(grey)
+    images = np.empty((num_images, 3, IMAGE_SIZE, IMAGE_SIZE), np.uint8)
+    for i, s in enumerate(source):
+        # The digits' borders are mostly dark, so rolling instead of padding is harmless.
+        shifted = np.roll(grey[s], rng.integers(-3, 4, 2), axis=(0, 1))
+        background = rng.uniform(0, 110, (3, 1, 1))
+        foreground = rng.uniform(140, 255, (3, 1, 1))
+        pixels = background + (foreground - background) * shifted + rng.normal(0, 6, (3, 32, 32))
+        images[i] = np.clip(pixels, 0, 255).round().astype(np.uint8)
+    return images, train.labels[source], len(grey)
+
+
+def prepare_data(num_images: int, workdir: str, bucket: str) -> tuple[BenchData, dict]:
+    """Encode the images once and write them as files, local shards and bucket shards."""
+    images, labels, num_sources = make_images(num_images, SEED)
+    keys = [f"{i:08d}" for i in range(num_images)]
+    png = [encode_image(image, "png") for image in images]
+    data = BenchData(keys, [int(x) for x in labels], png, os.path.join(workdir, "imagefolder"))
+
+    for key, label, data_bytes in zip(keys, data.labels, png, strict=True):
+        folder = os.path.join(data.image_folder, str(label))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{key}.png"), "wb") as f:
+            f.write(data_bytes)
+
+    # At least 2 shards per DataLoader worker, as a real dataset would have.
+    per_shard = min(MAX_SAMPLES_PER_SHARD, num_images // (2 * max(WORKER_COUNTS)))
+    split = SplitSource(
+        "train", [str(c) for c in range(NUM_CLASSES)], list(images), labels, (IMAGE_SIZE, IMAGE_SIZE)
+    )
+    shard_bytes = {}
+    for image_format in ("png", "raw"):
+        local = os.path.join(workdir, image_format)
+        # write_split encodes with the same encode_image, so shard members are
+        # byte-identical to data.png; "train" also shuffles the write order.
+        write_split(split, local, samples_per_shard=per_shard, image_format=image_format, progress=False)
+        gcs = f"gs://{bucket}/{image_format}"
+        folder = os.path.join(local, "train")
+        for name in storage.list_names(folder):
+            storage.write_bytes(
+                storage.join(gcs, "train", name), storage.read_bytes(os.path.join(folder, name))
+            )
+        data.shard_roots[image_format, "local"] = folder
+        data.shard_roots[image_format, "gcs"] = storage.join(gcs, "train")
+        shard_bytes[image_format] = sum(
+            os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".tar")
+        )
+    # The shards must hold the very bytes L, L_ours and A decode.
+    first = load_manifest(data.shard_roots["png", "local"]).shards[0].url
+    with storage.open_read(first) as stream:
+        if not {sample["png"] for sample in iter_shard_samples(stream, first)} <= set(png):
+            raise RuntimeError(f"{first}: PNG members differ from the in-memory PNG bytes")
+    info = {
+        "num_images": num_images,
+        "source": f"sklearn digits train split ({num_sources} images), copies varied per image",
+        "avg_png_bytes": float(np.mean([len(b) for b in png])),
+        "raw_bytes_per_image": 3 * IMAGE_SIZE * IMAGE_SIZE,
+        "samples_per_shard": per_shard,
+        "num_shards": len(load_manifest(data.shard_roots["png", "local"]).shards),
+        "shard_bytes_total": shard_bytes,
+    }
+    return data, info
+
+
+# ------------------------------------------------------------------ configurations
+
+
+def stock_transform() -> transforms.Compose:
+    return transforms.Compose(
+        [
+            transforms.RandomCrop(IMAGE_SIZE, padding=CROP_PADDING),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(MEAN, STD),
+        ]
+    )
+
+
+def limit_stock(data: BenchData, workers: int) -> Epoch:
+    """L: PIL decode + stock transforms + torch.stack from in-memory bytes."""
+    transform = stock_transform()
+    samples = [(png, str(label).encode()) for png, label in zip(data.png, data.labels, strict=True)]
+
+    def epoch() -> Iterator[Batch]:
+        images, labels = [], []
+        for png, cls in samples:
+            images.append(transform(Image.open(io.BytesIO(png)).convert("RGB")))
+            labels.append(int(cls))
+            if len(images) == BATCH_SIZE:
+                yield torch.stack(images), torch.tensor(labels)
+                images, labels = [], []
+        if images:
+            yield torch.stack(images), torch.tensor(labels)
+
+    return epoch
+
+
+def limit_ours(data: BenchData, workers: int) -> Epoch:
+    """L_ours: tpustream's decode, batching and batch augmentation on in-memory sample dicts."""
+    decoder = ImageDecoder("png", 3, IMAGE_SIZE, IMAGE_SIZE, NUM_CLASSES)
+    normalize = Normalizer(MEAN, STD)
+    rng = np.random.default_rng(SEED)
+    # What iter_shard_samples + read_span_samples yield, minus the tar and the I/O.
+    samples = [
+        {"__key__": key, "__url__": "memory", "png": png, "cls": str(label).encode(), "__padding__": False}
+        for key, png, label in zip(data.keys, data.png, data.labels, strict=True)
+    ]
+
+    def epoch() -> Iterator[Batch]:
+        decoded = decode_samples(samples, decoder, ErrorPolicy("raise"))
+        # Full batches only, like ShardStream(last_batch="drop") below.
+        batches = batch_samples(decoded, BATCH_SIZE, len(samples) // BATCH_SIZE, decoder.shape)
+        return normalized(augment_batches(batches, rng, CROP_PADDING, True), normalize)
+
+    return epoch
+
+
+def image_folder(data: BenchData, workers: int) -> Epoch:
+    """A: one PNG file per image, torchvision ImageFolder, DataLoader collation."""
+    dataset = ImageFolder(data.image_folder, transform=stock_transform())
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=workers)
+    return lambda: iter(loader)
+
+
+def stock_webdataset(data: BenchData, workers: int, where: str) -> Epoch:
+    """B (local) / C (gcs): the stock WebDataset chain with per-sample stock transforms."""
+    dataset = (
+        wds.WebDataset(data.shard_urls("png", where), shardshuffle=100)
+        .shuffle(SHUFFLE_BUFFER)
+        .decode("pil")
+        .to_tuple("png", "cls")
+        .map_tuple(stock_transform(), int)
+        .batched(BATCH_SIZE)
+    )
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers)
+    return lambda: iter(loader)
+
+
+def normalized(batches: Iterable[dict[str, torch.Tensor]], normalize: Normalizer) -> Iterator[Batch]:
+    """uint8 batches to normalised float32, in the consuming process.
+
+    ShardStream ships uint8 (a quarter of the bytes between processes and to
+    the device) and the trainer normalises on the device inside the compiled
+    step. Here the consumer does it on the host, so every configuration
+    still pays for the same transforms.
+    """
+    for batch in batches:
+        yield normalize(batch["image"]), batch["label"]
+
+
+def ours(data: BenchData, workers: int, image_format: str, where: str) -> Epoch:
+    """ours-*: ShardStream through make_loader, as the trainer builds it, normalising in the consumer."""
+    stream = make_stream(data.shard_roots[image_format, where], workers, SHUFFLE_BUFFER)
+    loader = make_loader(stream, workers)
+    normalize = Normalizer(MEAN, STD)
+    return lambda: normalized(loader, normalize)
+
+
+def make_stream(split_root: str, workers: int, shuffle_buffer: int) -> ShardStream:
+    return ShardStream(
+        load_manifest(split_root),
+        batch_size=BATCH_SIZE,
+        rank=0,
+        world_size=1,
+        num_workers=workers,
+        train=True,
+        seed=SEED,
+        shuffle_buffer=shuffle_buffer,
+        last_batch="drop",
+        crop_padding=CROP_PADDING,
+        hflip=True,
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    build: Callable[[BenchData, int], Epoch]
+    workers: tuple[int, ...] = WORKER_COUNTS  # () marks a single-process limit
+
+
+CONFIGS = [
+    Config("L", limit_stock, ()),
+    Config("L_ours", limit_ours, ()),
+    Config("A", image_folder),
+    Config("B", partial(stock_webdataset, where="local")),
+    Config("C", partial(stock_webdataset, where="gcs")),
+    Config("ours-local", partial(ours, image_format="png", where="local")),
+    Config("ours-gcs", partial(ours, image_format="png", where="gcs")),
+    Config("ours-raw-local", partial(ours, image_format="raw", where="local")),
+    Config("ours-raw-gcs", partial(ours, image_format="raw", where="gcs")),
+]
+
+
+def gopen_via_tpustream(url: str, mode: str = "rb", bufsize: int = 8192, **kw):
+    """A webdataset gopen handler (gopen_schemes entry) that streams gs:// in-process."""
+    if mode != "rb":
+        raise ValueError(f"{url}: only reading is supported, not mode {mode!r}")
+    return storage.open_read(url)
+
+
+# ----------------------------------------------------------------------- timing
+
+
+def batch_length(batch: Batch) -> int:
+    return len(batch["label"]) if isinstance(batch, dict) else len(batch[1])
+
+
+def timed_pass(epoch: Epoch) -> tuple[int, float]:
+    """(samples after the first batch, seconds from the first batch to the last)."""
+    batches = epoch()
+    next(batches)  # start-up (workers, first shuffle buffer) ends here
+    start = time.perf_counter()
+    samples = sum(batch_length(batch) for batch in batches)
+    return samples, time.perf_counter() - start
+
+
+def measure(epoch: Epoch, min_seconds: float) -> dict:
+    timed_pass(epoch)  # warm-up: page cache, lazy imports, emulator connections
+    samples, seconds, passes = 0, 0.0, 0
+    while seconds < min_seconds:
+        s, t = timed_pass(epoch)
+        samples, seconds, passes = samples + s, seconds + t, passes + 1
+    return {"samples": samples, "seconds": seconds, "passes": passes, "samples_per_s": samples / seconds}
+
+
+class ForeignCpu:
+    """Cores used by programs other than this benchmark while a configuration runs.
+
+    The machine may be shared (other test runs), and with 2 cores any foreign
+    load shows up in samples/s, so every row records it: system-wide busy CPU
+    seconds minus those of this process, its reaped children (DataLoader
+    workers, once shut down) and the GCS emulator, per wall second.
+    """
+
+    def __init__(self):
+        self.emulators = [p for p in psutil.Process().children() if "fake-gcs" in p.name()]
+
+    def _busy(self) -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - t.iowait - t.guest - t.guest_nice  # guest time is also in user
+
+    def _ours(self) -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        return total + sum(sum(p.cpu_times()[:2]) for p in self.emulators)
+
+    def _now(self) -> tuple[float, float, float]:
+        return time.perf_counter(), self._busy(), self._ours()
+
+    def __enter__(self) -> ForeignCpu:
+        self.start = self._now()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        wall, busy, ours = (now - then for now, then in zip(self._now(), self.start, strict=True))
+        self.cores = max(0.0, busy - ours) / wall
+
+
+def _read_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_probe(split_root: str, shuffle_buffer: int) -> dict:
+    """Run in a fresh process: peak RSS growth while ours (0 workers) makes one pass.
+
+    The kernel's high-water mark (VmHWM, what ru_maxrss reports) is reset to
+    the current RSS first, so import-time peaks do not hide the pass's peak.
+    """
+    torch.set_num_threads(1)
+    loader = make_loader(make_stream(split_root, 0, shuffle_buffer), 0)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to VmRSS (Linux >= 4.0)
+    before = _read_status_kib("VmRSS")
+    samples = sum(batch_length(batch) for batch in loader)
+    return {
+        "shuffle_buffer": shuffle_buffer,
+        "samples": samples,
+        "rss_before_bytes": before * 1024,
+        "peak_rss_growth_bytes": (_read_status_kib("VmHWM") - before) * 1024,
+    }
+
+
+def measure_memory(split_root: str) -> list[dict]:
+    # One spawned process per buffer size: memory freed by an earlier pass and
+    # kept by the allocator would otherwise hide the growth of the next one.
+    context = multiprocessing.get_context("spawn")
+    results = []
+    for buffer in MEMORY_SHUFFLE_BUFFERS:
+        with context.Pool(1) as pool:
+            results.append(pool.apply(memory_probe, (split_root, buffer)))
+    return results
+
+
+def profile(data: BenchData, name: str, top: int = 25) -> None:
+    """cProfile one pass of a configuration in this process (0 workers), after a warm-up."""
+    config = next((c for c in CONFIGS if c.name == name), None)
+    if config is None:
+        raise SystemExit(f"--profile: unknown configuration {name!r}; one of {[c.name for c in CONFIGS]}")
+    epoch = config.build(data, 0)
+    timed_pass(epoch)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    samples, seconds = timed_pass(epoch)
+    profiler.disable()
+    print(f"\n=== {name} (0 workers): {samples} samples in {seconds:.2f} s under cProfile")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+# ---------------------------------------------------------------------- report
+
+
+def add_ratios(rows: list[dict]) -> None:
+    limits = {r["name"]: r["samples_per_s"] for r in rows if r["workers"] is None}
+    for r in rows:
+        r["x_L"] = r["samples_per_s"] / limits["L"]
+        r["x_L_ours"] = r["samples_per_s"] / limits["L_ours"]
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        f"{'configuration':<16}{'workers':>8}{'samples/s':>11}{'x L':>8}{'x L_ours':>10}"
+        f"{'samples':>9}{'seconds':>9}{'passes':>7}{'other load':>12}",
+    ]
+    for r in rows:
+        workers = "-" if r["workers"] is None else str(r["workers"])
+        lines.append(
+            f"{r['name']:<16}{workers:>8}{r['samples_per_s']:>11.0f}{r['x_L']:>8.2f}{r['x_L_ours']:>10.2f}"
+            f"{r['samples']:>9}{r['seconds']:>9.2f}{r['passes']:>7}{r['foreign_cores']:>12.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    kinds = {None: ("tab:gray", "single-process limit"), 0: ("tab:blue", "num_workers=0")}
+    kinds[max(WORKER_COUNTS)] = ("tab:orange", f"num_workers={max(WORKER_COUNTS)}")
+    labels = [r["name"] if r["workers"] is None else f"{r['name']} (w={r['workers']})" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.38 * len(rows) + 1.6))
+    y = np.arange(len(rows))[::-1]
+    ax.barh(y, [r["samples_per_s"] for r in rows], color=[kinds[r["workers"]][0] for r in rows])
+    for yi, r in zip(y, rows, strict=True):
+        text = f" {r['samples_per_s']:.0f}  ({r['x_L']:.2f}x L, {r['x_L_ours']:.2f}x L_ours)"
+        ax.text(r["samples_per_s"], yi, text, va="center", fontsize=8)
+    handles = [Patch(color=color, label=label) for color, label in kinds.values()]
+    for r, style in zip(rows[:2], (":", "--"), strict=True):
+        handles.append(
+            ax.axvline(r["samples_per_s"], color="k", linestyle=style, linewidth=0.8, label=r["name"])
+        )
+    ax.set_yticks(y, labels)
+    ax.set_xlabel("samples/s (higher is better)")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(0, 1.4 * max(r["samples_per_s"] for r in rows))
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-images", type=int, default=None, help=f"default {DEFAULT_NUM_IMAGES}")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results (quick: .../quick)")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_NUM_IMAGES} images")
+    parser.add_argument(
+        "--min-seconds", type=float, default=None, help="timed seconds per config (3; quick 1)"
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="CONFIG",
+        action="append",
+        help="instead of benchmarking, cProfile one pass of CONFIG with 0 workers (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    if args.num_images is None:
+        args.num_images = QUICK_NUM_IMAGES if args.quick else DEFAULT_NUM_IMAGES
+    if args.out is None:
+        args.out = here / "results" / "quick" if args.quick else here / "results"
+    if args.min_seconds is None:
+        args.min_seconds = 1.0 if args.quick else 3.0
+    if args.num_images < 4 * BATCH_SIZE:
+        parser.error(f"--num-images must be at least {4 * BATCH_SIZE}")
+    return args
+
+
+def run_configs(data: BenchData, min_seconds: float) -> list[dict]:
+    rows = []
+    for config in CONFIGS:
+        for workers in config.workers or (None,):
+            label = config.name if workers is None else f"{config.name} w={workers}"
+            print(f"  {label:<20}", end="", flush=True)
+            with ForeignCpu() as foreign:
+                result = measure(config.build(data, workers or 0), min_seconds)
+                gc.collect()  # shut down (and reap) persistent DataLoader workers
+            print(
+                f"{result['samples_per_s']:>8.0f} samples/s  (other load {foreign.cores:.2f} cores)",
+                flush=True,
+            )
+            rows.append({"name": config.name, "workers": workers, **result, "foreign_cores": foreign.cores})
+    add_ratios(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # the single-process configs get one core, like each DataLoader worker
+    # webdataset maps gs:// to `gsutil cat`, which is not installed; stream in-process instead.
+    sys.modules["webdataset.gopen"].gopen_schemes["gs"] = gopen_via_tpustream
+    warnings.filterwarnings("ignore", message=".*shardshuffle.*")
+    command = " ".join(["python", os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])
+    started = time.time()
+
+    with tempfile.TemporaryDirectory(prefix="tpustream-bench-") as workdir, GcsEmulator() as emulator:
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        storage.gcs_client().create_bucket(bucket)
+        print(f"preparing {args.num_images} images (files, local shards, gs://{bucket} on {emulator.url})")
+        data, info = prepare_data(args.num_images, workdir, bucket)
+        print(
+            f"average PNG size {info['avg_png_bytes']:.0f} bytes; {info['num_shards']} shards of "
+            f"{info['samples_per_shard']} samples; torch threads {torch.get_num_threads()}, "
+            f"{os.cpu_count()} CPUs\n"
+            f"B/C batching: {B_BATCHING}\n"
+            "C reads gs:// through an in-process webdataset gopen handler (tpustream.storage.open_read) "
+            "because gsutil is unavailable\n"
+            "timing: warm-up pass, then passes timed from their first batch (DataLoader worker start-up "
+            "excluded); 'other load' = cores busy with other programs meanwhile",
+            flush=True,
+        )
+        if args.profile:
+            for name in args.profile:
+                profile(data, name)
+            return 0
+        rows = run_configs(data, args.min_seconds)
+        print("  memory (ours-local, w=0, fresh process per shuffle buffer) ...", flush=True)
+        memory = measure_memory(data.shard_roots["png", "local"])
+
+    print(f"\n{format_table(rows)}\n")
+    for m in memory:
+        print(
+            f"ours-local w=0 shuffle_buffer={m['shuffle_buffer']}: peak RSS growth "
+            f"{m['peak_rss_growth_bytes'] / 2**20:.1f} MiB over one pass of {m['samples']} samples"
+        )
+    results = {
+        "command": command,
+        "seconds_total": time.time() - started,
+        "data": info,
+        "settings": {
+            "batch_size": BATCH_SIZE,
+            "shuffle_buffer": SHUFFLE_BUFFER,
+            "crop_padding": CROP_PADDING,
+            "mean": MEAN,
+            "std": STD,
+            "torch_threads": 1,
+            "min_seconds": args.min_seconds,
+            "timing": "one warm-up pass, then passes timed from their first batch (samples after it)",
+            "foreign_cores": "CPU cores used by other programs during the configuration (shared machine)",
+            "B_C_batching": B_BATCHING,
+            "C_opener": "in-process gs:// gopen handler -> tpustream.storage.open_read (no gsutil)",
+            "ours_last_batch": "drop",
+            "memory": "peak RSS growth (VmHWM after reset) in a fresh process, ours-local, 0 workers",
+        },
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+            "webdataset": wds.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "configs": rows,
+        "memory": memory,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    chart = args.out / "input_pipeline.png"
+    title = (
+        f"{args.num_images} digit PNGs ({info['avg_png_bytes']:.0f} B avg), batch {BATCH_SIZE}, "
+        f"1 torch thread, {os.cpu_count()} CPUs"
+    )
+    plot(rows, chart, title)
+    print(f"\nwrote {args.out / 'results.json'} and {chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
