@@ -35,6 +35,10 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["data.mean=[0.5]", "data.std=[0.5]"], "data.mean has 1 values, images have 3 channels"),
         (["model.name=vit"], "model.name='vit' is not a known model"),
         (["epochs=0"], "epochs must be at least 1"),
+        (
+            ["+model.options.depth=3"],
+            "model.options for small_cnn: got an unexpected keyword argument 'depth'",
+        ),
         (["data.num_workers=-1"], "num_workers"),
         (["resume=/nonexistent/last.pt"], "resume=/nonexistent/last.pt: no checkpoint"),
     ],

@@ -24,7 +24,7 @@ from tpustream.config import Device, TrainConfig
 from tpustream.data.manifest import ShardManifest, load_manifest
 from tpustream.data.sharding import describe_sharing, plan_layout
 from tpustream.errors import ConfigError, TpustreamError
-from tpustream.models import create_model, model_names
+from tpustream.models import check_model_options, create_model
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
     if len(cfg.data.mean) != len(cfg.data.std) or any(s <= 0 for s in cfg.data.std):
         raise ConfigError("data.mean and data.std need one value per channel, std > 0")
-    if cfg.model.name not in model_names():
-        raise ConfigError(
-            f"model.name={cfg.model.name!r} is not a known model; known: {', '.join(model_names())}"
-        )
+    check_model_options(cfg.model.name, dict(cfg.model.options))
 
 
 def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
@@ -156,9 +153,9 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
         xmp.spawn(replica_main, args=(plan,), nprocs=nprocs)
     except TpustreamError:
         raise
-    except Exception as exc:  # BrokenProcessPool and friends: the replica logged why
+    except Exception as exc:  # a bug in a replica, or BrokenProcessPool: the replica logged why
         raise TpustreamError(
-            f"a replica failed ({exc.__class__.__name__}); its error is logged above"
+            f"a replica failed ({exc.__class__.__name__}: {exc}); its error is logged above"
         ) from exc
     return read_final_metrics(plan.cfg.output_dir)
 
@@ -267,12 +264,15 @@ def replica_main(index: int, plan: RunPlan) -> None:
     try:
         run_replica(plan, XlaRuntime(plan.cfg.accelerator.compile_cache_dir))
     except BaseException as exc:
+        if not isinstance(exc, TpustreamError):
+            # A bug, not bad input: keep the traceback, the parent only sees the type.
+            log.error("replica %d failed:\n%s", index, traceback.format_exc())
         if world == 1:
-            raise
+            raise  # nobody waits for us; the parent reports our one-line error
+        if isinstance(exc, TpustreamError):
+            log.error("replica %d failed: %s", index, exc)
         # Peers may be waiting in a collective for this replica and would wait
         # forever. Dying hard breaks xmp.spawn's process pool, which then
         # terminates every replica of this host.
-        message = str(exc) if isinstance(exc, TpustreamError) else traceback.format_exc()
-        log.error("replica %d failed: %s", index, message)
         logging.shutdown()
         os._exit(1)

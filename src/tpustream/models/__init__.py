@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -26,6 +27,16 @@ def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
 
 def model_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def check_model_options(name: str, options: dict) -> None:
+    """Fail before spawning if a family does not take the configured options."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"model.name={name!r} is not a known model; known: {', '.join(model_names())}")
+    try:
+        inspect.signature(_REGISTRY[name]).bind(num_classes=1, image_size=1, channels=1, **options)
+    except TypeError as exc:
+        raise ConfigError(f"model.options for {name}: {exc}") from None
 
 
 def create_model(name: str, *, num_classes: int, image_size: int, channels: int, **options) -> nn.Module:
