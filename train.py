@@ -28,7 +28,7 @@ def main(cfg: DictConfig) -> None:
     except TpustreamError as exc:
         log.error("%s", exc)
         sys.exit(2)
-    if result and result["best"]:
+    if result and result["best"] and not cfg.eval_only:
         best = result["best"]
         print(
             f"best validation accuracy {100 * best['val_accuracy']:.2f}% "

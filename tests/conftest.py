@@ -39,6 +39,13 @@ def bucket(gcs_emulator) -> str:
     return f"gs://{name}"
 
 
+@pytest.fixture
+def digits_bucket(bucket) -> str:
+    """A fresh bucket holding the digits shards under digits/."""
+    assert make_shards_main(["digits", f"{bucket}/digits", "--no-progress", "--workers", "1"]) == 0
+    return bucket
+
+
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory) -> str:
     """Local digits shards (train 1438, test 359 samples, 256 per shard)."""

@@ -13,15 +13,8 @@ import pytest
 from tests.conftest import run_train
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint
-from tpustream.data.make_shards import main as make_shards_main
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def digits_bucket(bucket) -> str:
-    assert make_shards_main(["digits", f"{bucket}/digits", "--no-progress", "--workers", "1"]) == 0
-    return bucket
 
 
 def metrics(run: str) -> list[dict]:

@@ -218,7 +218,7 @@ def test_digits_counts_manifest_and_labels(digits_root):
         assert load_manifest(folder).num_samples == count
         # Keys are the write positions: unique across the shards of a split.
         assert [s["__key__"] for s in samples] == [f"{i:08d}" for i in range(count)]
-        assert all(set(s) == {"__key__", "__url__", "png", "cls"} for s in samples)
+        assert all(set(s) == {"__key__", "__url__", "__index__", "png", "cls"} for s in samples)
         all_samples += samples
 
     digits = load_digits()
@@ -259,7 +259,7 @@ def test_raw_format_matches_png_of_same_seed(tmp_path, digits_root):
         assert [s["__key__"] for s in raw] == [s["__key__"] for s in png]
         assert labels_of(raw) == labels_of(png)
         for r, p in zip(raw, png, strict=True):
-            assert set(r) == {"__key__", "__url__", "raw", "cls"}
+            assert set(r) == {"__key__", "__url__", "__index__", "raw", "cls"}
             assert len(r["raw"]) == 3 * 32 * 32
             chw = np.frombuffer(r["raw"], np.uint8).reshape(3, 32, 32)
             np.testing.assert_array_equal(chw, decode_chw(p["png"]))
@@ -384,7 +384,7 @@ def test_jpg_format(tmp_path, fake_cifar):
     test_manifest, test = read_split(os.path.join(out, "test"))
     assert train_manifest["image_format"] == test_manifest["image_format"] == "jpg"
     for sample in train + test:
-        assert set(sample) == {"__key__", "__url__", "jpg", "cls"}
+        assert set(sample) == {"__key__", "__url__", "__index__", "jpg", "cls"}
         assert decode_chw(sample["jpg"], "JPEG").shape == (3, 32, 32)
     for sample, image in zip(test, src.test_images, strict=True):
         error = np.abs(decode_chw(sample["jpg"], "JPEG").astype(int) - image.astype(int))

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import numbered_samples, png_bytes, solid_image
 from tpustream.data.manifest import load_manifest
-from tpustream.data.pipeline import CountingLoader, ShardStream, make_loader
+from tpustream.data.pipeline import SHARD_ID_SHIFT, CountingLoader, ShardStream, make_loader
 from tpustream.data.tar_stream import write_tar
 from tpustream.errors import DataError, StorageError
 
@@ -199,3 +199,18 @@ def test_counting_loader_keeps_filled_out_of_device_batches(uneven_split):
     loader = make_loader(stream(uneven_split, train=False), 0)
     assert isinstance(loader, CountingLoader) and len(loader) == 13
     assert all("filled" not in b for b in loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_recorded_sample_ids_name_each_real_sample_once(uneven_split, workers):
+    sizes = [40, 3, 25, 1, 34]
+    expected = {(shard << SHARD_ID_SHIFT) | i for shard, n in enumerate(sizes) for i in range(n)}
+    seen: Counter = Counter()
+    for rank in range(3):
+        s = stream(uneven_split, rank=rank, world=3, workers=workers, train=True)
+        loader = make_loader(s, workers, record_ids=True)
+        for b in loader:
+            ids = b.get("sample_id")
+            assert ids is None  # host-only: never sent to the device
+        seen.update(int(i) for ids in loader.sample_ids for i in ids)
+    assert set(seen) == expected and set(seen.values()) == {1}

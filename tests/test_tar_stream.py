@@ -42,8 +42,9 @@ def samples_via_tarfile(data: bytes) -> list[dict]:
 
 def read_all(data: bytes, start: int = 0, stop: int | None = None) -> list[dict]:
     out = list(iter_shard_samples(io.BytesIO(data), "mem://t.tar", start, stop))
-    for sample in out:
+    for position, sample in enumerate(out, start):
         assert sample.pop("__url__") == "mem://t.tar"
+        assert sample.pop("__index__") == position  # the sample's index in its shard
     return out
 
 

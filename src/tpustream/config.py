@@ -34,6 +34,11 @@ class Device(str, Enum):
     TPU = "TPU"
 
 
+class Collectives(str, Enum):
+    xla = "xla"  # torch_xla collectives across the XLA devices of an xmp.spawn job (TPU, one CPU device)
+    gloo = "gloo"  # a simulated pod: one process per replica, each its own XLA CPU device, over gloo
+
+
 class OptimizerName(str, Enum):
     sgd = "sgd"
     adamw = "adamw"
@@ -99,14 +104,28 @@ class AcceleratorConfig:
 
     device: Device = Device.CPU
     # Replicas on this host: null = one per XLA device, 1 = a single process.
-    # XLA:CPU has no working cross-device collectives (pytorch/xla#9089), so CPU allows 1.
+    # XLA:CPU has no working cross-device collectives (pytorch/xla#9089), so
+    # CPU allows 1, or N with collectives=gloo (the simulated pod).
     num_devices: int | None = None
+    collectives: Collectives = Collectives.xla
     # Run the single replica inside this process instead of a spawned child (debuggers).
     in_process: bool = False
     # Persistent XLA compilation cache folder (local); null disables it.
     compile_cache_dir: str | None = None
     # Compute in bfloat16 under torch.autocast (weights and optimizer stay float32).
     bf16: bool = False
+
+
+@dataclass
+class DebugConfig:
+    """Checks that cost time; for tests and for chasing a misbehaving pod."""
+
+    # Local folder: each replica writes the ids of the real training samples
+    # it used, per epoch (shard index << 32 | sample index), to audit exactness.
+    sample_log_dir: str | None = None
+    # Every this many steps, check that all replicas hold bit-identical
+    # parameters and stop if not (0 = never; copies the model to the host).
+    check_sync_every: int = 0
 
 
 @dataclass
@@ -132,6 +151,9 @@ class TrainConfig:
     resume: str | None = "auto"
     # Stop after this many epochs without a better validation accuracy (0 = never).
     early_stop_patience: int = 0
+    # Only evaluate the checkpoint given by resume (or output_dir/last.pt) and report.
+    eval_only: bool = False
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:

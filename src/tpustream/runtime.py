@@ -2,8 +2,15 @@
 
 The trainer, evaluation and checkpointing talk to a ``Runtime``: which device,
 which replica, how to step the optimizer across replicas, how to reduce
-metrics, how to get state to the host. ``XlaRuntime`` implements it with
-torch_xla; a multi-process simulation can implement the same methods.
+metrics, how to get state to the host. Two implementations share everything
+that happens on the replica's own device:
+
+- ``XlaRuntime``: a replica of an xmp.spawn job (a TPU core, or the single XLA
+  CPU device); collectives through torch_xla.
+- ``GlooRuntime``: a simulated pod replica, one process with its own XLA CPU
+  device; the few collectives the trainer needs go through torch.distributed
+  with the gloo backend (XLA:CPU has no working cross-device collectives,
+  pytorch/xla#9089), so multi-replica behaviour can be tested on one machine.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.nn as nn
 
 
 class Runtime(Protocol):
@@ -28,6 +36,9 @@ class Runtime(Protocol):
     def device_loader(self, loader: Iterable) -> Iterator:
         """Iterate loader with batches already on the device (and a step boundary per batch)."""
 
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Copy the master's parameters and buffers to every replica (a collective)."""
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Average gradients over replicas, then step."""
 
@@ -36,6 +47,9 @@ class Runtime(Protocol):
 
     def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
         """Sum host numbers over replicas (a collective)."""
+
+    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
+        """Every replica's value of a small picklable object, in rank order (a collective)."""
 
     def barrier(self, tag: str) -> None: ...
 
@@ -69,10 +83,13 @@ class _ErrorKeepingIterable:
             self.error = exc
 
 
-class XlaRuntime:
-    """A replica of an xmp.spawn job: one XLA device (a TPU core, or the XLA CPU device)."""
+class _XlaDevice:
+    """What a replica does on its own XLA device, whichever way replicas talk."""
 
-    def __init__(self, compile_cache_dir: str | None = None):
+    rank: int
+    world_size: int
+
+    def __init__(self, compile_cache_dir: str | None, cache_subdir: str):
         import torch_xla
         import torch_xla.runtime as xr
 
@@ -80,12 +97,8 @@ class XlaRuntime:
             # One folder per local process: concurrent writers to one cache
             # folder are not supported, and the same (shape, program) compiles
             # identically on every replica of a host anyway.
-            xr.initialize_cache(os.path.join(compile_cache_dir, str(xr.local_ordinal())), readonly=False)
+            xr.initialize_cache(os.path.join(compile_cache_dir, cache_subdir), readonly=False)
         self.device = torch_xla.device()
-        # xm.get_ordinal / xm.xrt_world_size are gone in torch_xla 2.9.
-        self.rank = xr.global_ordinal()
-        self.world_size = xr.world_size()
-        self.local_rank = xr.local_ordinal()
 
     @property
     def is_master(self) -> bool:
@@ -103,6 +116,43 @@ class XlaRuntime:
         yield from pl.MpDeviceLoader(source, self.device)
         if source.error is not None:
             raise source.error
+
+    def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args=args)
+
+    def wait_device_ops(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+    def compilations(self) -> int:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+
+class XlaRuntime(_XlaDevice):
+    """A replica of an xmp.spawn job: one XLA device (a TPU core, or the XLA CPU device)."""
+
+    def __init__(self, compile_cache_dir: str | None = None):
+        import torch_xla.runtime as xr
+
+        super().__init__(compile_cache_dir, str(xr.local_ordinal()))
+        # xm.get_ordinal / xm.xrt_world_size are gone in torch_xla 2.9.
+        self.rank = xr.global_ordinal()
+        self.world_size = xr.world_size()
+        self.local_rank = xr.local_ordinal()
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        import torch_xla.core.xla_model as xm
+
+        # Seeding alone is not enough: on v2/v3 hosts two replicas are threads
+        # of one process and share its CPU random generator while building.
+        if self.world_size > 1:
+            xm.broadcast_master_param(model)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         import torch_xla.core.xla_model as xm
@@ -125,16 +175,18 @@ class XlaRuntime:
             tag, [float(v) for v in values], lambda rows: [sum(c) for c in zip(*rows, strict=True)]
         )
 
+    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
+        import torch_xla.core.xla_model as xm
+
+        if self.world_size == 1:
+            return [value]
+        return xm.mesh_reduce(tag, value, list)
+
     def barrier(self, tag: str) -> None:
         import torch_xla.core.xla_model as xm
 
         if self.world_size > 1:
             xm.rendezvous(tag)
-
-    def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
-        import torch_xla.core.xla_model as xm
-
-        xm.add_step_closure(fn, args=args)
 
     def serialize(self, state: Any) -> bytes | None:
         import torch_xla.core.xla_model as xm
@@ -145,13 +197,83 @@ class XlaRuntime:
         xm.save(state, buffer, master_only=True, global_master=True)
         return buffer.getvalue() if self.is_master else None
 
-    def wait_device_ops(self) -> None:
+
+class GlooRuntime(_XlaDevice):
+    """A simulated pod replica: its own process and XLA CPU device, collectives over gloo.
+
+    torch.distributed must already be initialised (gloo) with this rank and
+    world size. Tensors cross to the host for each collective, which makes a
+    step slower than on a pod but exercises the same trainer code.
+    """
+
+    def __init__(self, rank: int, world_size: int, compile_cache_dir: str | None = None):
+        super().__init__(compile_cache_dir, str(rank))
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = rank
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        tensors = [t for t in (*model.parameters(), *model.buffers())]
+        for tensor in tensors:
+            host = tensor.detach().cpu()
+            dist.broadcast(host, src=0)
+            tensor.data.copy_(host.to(self.device))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed as dist
+
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            # One flat transfer and one all-reduce per step; the mean over
+            # replicas, as xm.optimizer_step computes it.
+            flat = torch.cat([g.detach().reshape(-1) for g in grads]).cpu()
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            averaged = flat.to(self.device)
+            offset = 0
+            for grad in grads:
+                grad.copy_(averaged[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        optimizer.step()
+
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        out = []
+        for tensor in tensors:
+            host = tensor.detach().cpu()
+            dist.all_reduce(host)
+            out.append(host.to(self.device))
+        return out
+
+    def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
+        import torch.distributed as dist
+
+        host = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(host)
+        return host.tolist()
+
+    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self, tag: str) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def serialize(self, state: Any) -> bytes | None:
         import torch_xla.core.xla_model as xm
 
-        xm.wait_device_ops()
-
-    def compilations(self) -> int:
-        import torch_xla.debug.metrics as met
-
-        data = met.metric_data("CompileTime")
-        return int(data[0]) if data else 0
+        if not self.is_master:
+            return None
+        buffer = io.BytesIO()
+        # Each simulated replica is a one-device XLA world of its own, so
+        # master_only=False just means "this process writes".
+        xm.save(state, buffer, master_only=False)
+        return buffer.getvalue()

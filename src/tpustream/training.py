@@ -8,12 +8,15 @@ one hook (``compute_loss``, ``run_optimizer``, ...) to make a variant.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -151,6 +154,7 @@ class Trainer:
         self.config_dict = config_dict
         self.runtime = runtime
         self.model = model.to(runtime.device)
+        runtime.broadcast_parameters(self.model)  # every replica starts from the master's weights
         self.optimizer = build_optimizer(cfg, self.model)
         prime_optimizer_state(self.optimizer)
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
@@ -251,7 +255,15 @@ class Trainer:
             self.global_step += 1
             if step % self.cfg.log_steps == 0:
                 self.runtime.add_step_closure(self._log_step, (epoch, step, loss, tracker))
+            check_every = self.cfg.debug.check_sync_every
+            if check_every and self.global_step % check_every == 0:
+                self.runtime.add_step_closure(self._check_replicas_in_sync, (self.global_step,))
         self.train_loader.raise_if_incomplete("train")
+        self.average_buffers()
+        if self.cfg.debug.check_sync_every:
+            self._check_replicas_in_sync(self.global_step, include_buffers=True)
+        if self.cfg.debug.sample_log_dir:
+            self._write_sample_log(epoch)
         seconds = time.time() - start
         loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
         global_rate, filled = self.runtime.reduce_host_sum(
@@ -266,6 +278,46 @@ class Trainer:
             "global_rate": global_rate,
             "train_filled": int(filled),
         }
+
+    def _write_sample_log(self, epoch: int) -> None:
+        folder = self.cfg.debug.sample_log_dir
+        os.makedirs(folder, exist_ok=True)
+        ids = self.train_loader.sample_ids
+        np.save(
+            os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}.npy"),
+            np.concatenate(ids) if ids else np.empty(0, np.int64),
+        )
+
+    def average_buffers(self) -> None:
+        """Average BatchNorm running statistics (floating buffers) over replicas.
+
+        Each replica updates them from its own batches, and xm.optimizer_step
+        averages gradients only; without this every replica would evaluate a
+        slightly different model, and the reduced accuracy would not be the
+        accuracy of the checkpoint the master saves.
+        """
+        if self.runtime.world_size == 1:
+            return
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        for buffer, total in zip(buffers, self.runtime.all_reduce_sum(buffers), strict=True):
+            buffer.copy_(total / self.runtime.world_size)
+
+    def _check_replicas_in_sync(self, step: int, include_buffers: bool = False) -> None:
+        """Stop if replicas hold different parameters.
+
+        Called as a step closure during the epoch (tensors are computed by
+        then); buffers are compared only after average_buffers, since
+        BatchNorm statistics legitimately differ within an epoch.
+        """
+        digest = hashlib.sha256()
+        tensors = (*self.model.parameters(), *(self.model.buffers() if include_buffers else ()))
+        for tensor in tensors:
+            digest.update(tensor.detach().cpu().numpy().tobytes())
+        fingerprints = self.runtime.all_gather_host(f"sync-{step}", digest.hexdigest())
+        if len(set(fingerprints)) > 1:
+            # Every replica sees the same list, so all of them stop here together.
+            raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
+        log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
 
     def _log_step(self, epoch: int, step: int, loss: torch.Tensor, tracker) -> None:
         if self.runtime.is_master or log.isEnabledFor(logging.DEBUG):
@@ -316,7 +368,8 @@ class Trainer:
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
         self.history.append({"epoch": epoch, **metrics})
-        log.info(
+        # Every replica computes the same reduced numbers; one line per epoch is enough.
+        (log.info if self.runtime.is_master else log.debug)(
             "Epoch=%d train: loss=%.4f samples=%d (replica steps %d) skipped=%d GlobalRate=%.1f "
             "time=%.1fs | val: accuracy=%.2f%% (%d/%d) loss=%.4f skipped=%d | best=%.2f%% (epoch %d)",
             epoch,
@@ -344,6 +397,18 @@ class Trainer:
         checkpoint.write_metrics(self.runtime, self.output_dir, self.history)
 
     def fit(self) -> dict[str, Any]:
+        if self.cfg.eval_only:
+            metrics = self.evaluate(max(self.start_epoch - 1, 0))
+            log.info(
+                "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
+                self.start_epoch - 1,
+                100 * metrics["val_accuracy"],
+                metrics["val_correct"],
+                metrics["val_samples"],
+                metrics["val_loss"],
+            )
+            self.runtime.wait_device_ops()
+            return {"eval": metrics}
         if self.start_epoch >= self.cfg.epochs:
             log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.start_epoch)
         patience = self.cfg.early_stop_patience

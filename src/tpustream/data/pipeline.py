@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,10 +65,16 @@ class DecodedSample:
     image: np.ndarray  # uint8 (C, H, W)
     label: int
     real: bool  # False for the wrap-around padding of the last global batch
+    sample_id: int = -1
 
 
-def read_span_samples(spans: Iterable[SampleSpan], on_error: ErrorPolicy) -> Iterator[dict]:
-    """Raw samples of each span, tagged with whether they are padding.
+SHARD_ID_SHIFT = 32  # sample id = shard index in the manifest << 32 | sample index in the shard
+
+
+def read_span_samples(
+    spans: Iterable[SampleSpan], on_error: ErrorPolicy, shard_index: dict[str, int]
+) -> Iterator[dict]:
+    """Raw samples of each span, tagged with whether they are padding and with their id.
 
     A shard that cannot be opened is an error whatever the policy (it names
     the URL). A truncated or corrupt shard ends that span early; the batching
@@ -84,8 +90,10 @@ def read_span_samples(spans: Iterable[SampleSpan], on_error: ErrorPolicy) -> Ite
         upcoming = storage.open_read(spans[index + 1].url) if index + 1 < len(spans) else None
         try:
             with stream:
+                shard_id = shard_index[span.url] << SHARD_ID_SHIFT
                 for sample in iter_shard_samples(stream, span.url, span.start, span.stop):
                     sample["__padding__"] = span.padding
+                    sample["__id__"] = shard_id | sample["__index__"]
                     yield sample
         except ShardFormatError as exc:
             on_error(span.url, None, str(exc).removeprefix(f"{span.url}: "))
@@ -125,7 +133,7 @@ def decode_samples(
         except SampleError as exc:
             on_error(sample["__url__"], sample["__key__"], str(exc))
             continue
-        yield DecodedSample(image, label, not sample["__padding__"])
+        yield DecodedSample(image, label, not sample["__padding__"], sample.get("__id__", -1))
 
 
 @dataclass
@@ -134,6 +142,7 @@ class Batch:
     labels: np.ndarray  # int64 (B,)
     real: np.ndarray  # bool (B,): counts in loss and metrics
     filled: int  # samples the plan expected but the data did not deliver
+    sample_ids: np.ndarray  # int64 (B,), -1 for places filled after bad data
 
 
 def batch_samples(
@@ -148,6 +157,7 @@ def batch_samples(
     images = np.empty((batch_size, *shape), np.uint8)
     labels = np.empty(batch_size, np.int64)
     real = np.empty(batch_size, bool)
+    ids = np.empty(batch_size, np.int64)
     source = iter(samples)
     reserve: Batch | None = None
     for _ in range(num_batches):
@@ -156,6 +166,7 @@ def batch_samples(
             images[count] = sample.image
             labels[count] = sample.label
             real[count] = sample.real
+            ids[count] = sample.sample_id
             count += 1
             if count == batch_size:
                 break
@@ -168,13 +179,14 @@ def batch_samples(
                 donor = (
                     reserve
                     if reserve is not None
-                    else Batch(images[:count].copy(), labels[:count].copy(), real, 0)
+                    else Batch(images[:count].copy(), labels[:count].copy(), real, 0, ids)
                 )
                 take = np.arange(filled) % len(donor.labels)
                 images[count:] = donor.images[take]
                 labels[count:] = donor.labels[take]
             real[count:] = False
-        batch = Batch(images.copy(), labels.copy(), real.copy(), filled)
+            ids[count:] = -1
+        batch = Batch(images.copy(), labels.copy(), real.copy(), filled, ids.copy())
         reserve = batch
         yield batch
 
@@ -195,6 +207,7 @@ def augment_batches(
             "label": torch.from_numpy(batch.labels),
             "real": torch.from_numpy(batch.real.astype(np.float32)),
             "filled": torch.tensor(batch.filled, dtype=torch.int64),
+            "sample_id": torch.from_numpy(batch.sample_ids),
         }
 
 
@@ -242,6 +255,7 @@ class ShardStream(IterableDataset):
         self.layout: EpochLayout = plan_layout(
             manifest.num_samples, batch_size, world_size, last_batch if train else "pad", manifest.split
         )
+        self.shard_index = {shard.url: i for i, shard in enumerate(manifest.shards)}
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
@@ -269,7 +283,7 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         on_error = ErrorPolicy(self.on_error)
-        samples = read_span_samples(self.worker_spans(worker, workers), on_error)
+        samples = read_span_samples(self.worker_spans(worker, workers), on_error, self.shard_index)
         if self.train:
             samples = shuffle_samples(samples, self.shuffle_buffer, self._rng(worker, 1))
         decoded = decode_samples(samples, self.decoder, on_error)
@@ -284,28 +298,36 @@ class ShardStream(IterableDataset):
 
 
 class CountingLoader:
-    """Iterates a DataLoader, taking the host-only 'filled' counts out of each batch.
+    """Iterates a DataLoader, taking the host-only fields out of each batch.
 
-    A worker's exception comes out as our own one-line error (DataLoader wraps
-    it in a "Caught X in DataLoader worker" text with the worker traceback).
-    The trainer calls ``raise_if_incomplete`` after each loop as a last line
-    of defence: a replica that ran fewer steps than planned would leave the
-    others waiting in an all-reduce.
+    'filled' is summed per epoch; 'sample_id' is kept (for the real samples)
+    when record_ids is set, for exactness audits. A worker's exception comes
+    out as our own one-line error (DataLoader wraps it in a "Caught X in
+    DataLoader worker" text with the worker traceback). The trainer calls
+    ``raise_if_incomplete`` after each loop as a last line of defence: a
+    replica that ran fewer steps than planned would leave the others waiting
+    in an all-reduce.
     """
 
-    def __init__(self, loader: DataLoader):
+    def __init__(self, loader: DataLoader, record_ids: bool = False):
         self.loader = loader
+        self.record_ids = record_ids
         self.filled = 0
         self.batches = 0
+        self.sample_ids: list[np.ndarray] = []
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.filled = self.batches = 0
+        self.sample_ids = []
         try:
             for batch in self.loader:
                 self.filled += int(batch.pop("filled"))
+                ids = batch.pop("sample_id")
+                if self.record_ids:
+                    self.sample_ids.append(ids[batch["real"] > 0].numpy())
                 self.batches += 1
                 yield batch
         except TpustreamError as exc:
@@ -325,7 +347,13 @@ def _unwrap_worker_error(exc: TpustreamError) -> TpustreamError:
     return exc
 
 
-def make_loader(stream: ShardStream, num_workers: int, prefetch_factor: int = 4) -> CountingLoader:
+def make_loader(
+    stream: ShardStream,
+    num_workers: int,
+    prefetch_factor: int = 4,
+    worker_init_fn: Callable[[int], None] | None = None,
+    record_ids: bool = False,
+) -> CountingLoader:
     """A DataLoader over a ShardStream (its num_workers must match the stream's plan)."""
     if num_workers != stream.num_workers:
         raise ValueError("the stream was planned for a different number of workers")
@@ -337,5 +365,6 @@ def make_loader(stream: ShardStream, num_workers: int, prefetch_factor: int = 4)
         # Workers start once per run, not per epoch: in an xmp.spawn replica
         # the start method is "spawn", and each new worker imports torch (~3 s).
         persistent_workers=num_workers > 0,
+        worker_init_fn=worker_init_fn,
     )
-    return CountingLoader(loader)
+    return CountingLoader(loader, record_ids)

@@ -26,7 +26,7 @@ class ShardFormatError(DataError):
     """A shard is truncated or is not a tar file."""
 
 
-Sample = dict  # {"__key__": str, "__url__": str, "<ext>": bytes, ...}
+Sample = dict  # {"__key__": str, "__url__": str, "__index__": int (in the shard), "<ext>": bytes, ...}
 
 
 def _parse_number(field: bytes, url: str, offset: int) -> int:
@@ -167,7 +167,7 @@ def iter_shard_samples(
                 if stop is not None and index >= stop:
                     return
                 if index >= start:
-                    sample = {"__key__": member_key, "__url__": url}
+                    sample = {"__key__": member_key, "__url__": url, "__index__": index}
             if sample is not None:
                 if len(buf) - pos < size and not fill(size):
                     raise ShardFormatError(f"{url}: truncated tar member {text} at byte {member_offset}")

@@ -8,10 +8,12 @@ forever in an all-reduce for the one that failed).
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import logging
 import os
-import sys
+import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from tpustream import storage
 from tpustream.checkpoint import METRICS, load_checkpoint, resolve_resume
-from tpustream.config import Device, TrainConfig
+from tpustream.config import Collectives, Device, TrainConfig
 from tpustream.data.manifest import ShardManifest, load_manifest
 from tpustream.data.sharding import describe_sharing, plan_layout
 from tpustream.errors import ConfigError, TpustreamError
+from tpustream.logs import setup_replica_logging, setup_worker_logging
 from tpustream.models import check_model_options, create_model
 
 log = logging.getLogger(__name__)
@@ -60,10 +63,18 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
 def check_config(cfg: TrainConfig) -> None:
     """Checks that need no data and no device."""
     acc = cfg.accelerator
-    if acc.device == Device.CPU and acc.num_devices not in (None, 1):
+    if acc.collectives == Collectives.gloo:
+        if acc.device != Device.CPU:
+            raise ConfigError(
+                "accelerator.collectives=gloo is the simulated pod: it needs accelerator.device=CPU"
+            )
+        if acc.num_devices is None or acc.num_devices < 1:
+            raise ConfigError("the simulated pod (collectives=gloo) needs accelerator.num_devices >= 1")
+    elif acc.device == Device.CPU and acc.num_devices not in (None, 1):
         raise ConfigError(
             f"accelerator.num_devices={acc.num_devices} on CPU: XLA:CPU collectives deadlock "
-            f"with more than one device ({CPU_COLLECTIVES_BUG}); use 1, or run on TPU"
+            f"with more than one device ({CPU_COLLECTIVES_BUG}); use 1, or accelerator=cpu_pod "
+            "to simulate several replicas over gloo"
         )
     if acc.device == Device.TPU and acc.num_devices not in (None, 1):
         raise ConfigError(
@@ -73,6 +84,8 @@ def check_config(cfg: TrainConfig) -> None:
     for name, value in (("batch_size", cfg.batch_size), ("epochs", cfg.epochs), ("log_steps", cfg.log_steps)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    if cfg.debug.check_sync_every < 0:
+        raise ConfigError(f"debug.check_sync_every must be >= 0, got {cfg.debug.check_sync_every}")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     if cfg.data.crop_padding < 0 or cfg.data.shuffle_buffer < 0:
@@ -109,10 +122,23 @@ def prepare(cfg: DictConfig) -> RunPlan:
     check_config(typed)
     train = load_manifest(typed.data.train_shards)
     val = load_manifest(typed.data.val_shards)
-    world = 1 if typed.accelerator.device == Device.CPU or typed.accelerator.num_devices == 1 else None
-    check_data(typed, train, val, world)
+    check_data(typed, train, val, known_world_size(typed))
     resume_url = resolve_resume(typed.resume, typed.output_dir)
+    if typed.eval_only and resume_url is None:
+        raise ConfigError(
+            f"eval_only needs a checkpoint: set resume=<url>, or have {typed.output_dir}/last.pt"
+        )
     return RunPlan(typed, plain, train, val, resume_url)
+
+
+def known_world_size(cfg: TrainConfig) -> int | None:
+    """The number of replicas if it is known before spawning (not on TPU: the pod decides)."""
+    acc = cfg.accelerator
+    if acc.collectives == Collectives.gloo:
+        return acc.num_devices
+    if acc.device == Device.CPU or acc.num_devices == 1:
+        return 1
+    return None
 
 
 def configure_device_environment(cfg: TrainConfig) -> None:
@@ -131,6 +157,9 @@ def configure_device_environment(cfg: TrainConfig) -> None:
 def launch(plan: RunPlan) -> dict[str, Any] | None:
     """Spawn the replicas and wait for them; returns the final metrics of the run."""
     configure_device_environment(plan.cfg)
+    if plan.cfg.accelerator.collectives == Collectives.gloo:
+        spawn_simulated_pod(plan)
+        return read_final_metrics(plan.cfg.output_dir)
     import torch_xla.distributed.xla_multiprocessing as xmp  # after PJRT_DEVICE is set
 
     acc = plan.cfg.accelerator
@@ -169,16 +198,6 @@ def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
     return {"history": history, "best": best}
 
 
-def setup_replica_logging(rank: int, world_size: int, log_dir: str | None) -> None:
-    """Logging for one replica: its ordinal on every line, to stderr and a file of its own."""
-    fmt = f"%(asctime)s [replica {rank}/{world_size}] %(levelname)s %(name)s: %(message)s"
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_dir and not storage.is_gcs(log_dir):
-        os.makedirs(log_dir, exist_ok=True)
-        handlers.append(logging.FileHandler(os.path.join(log_dir, f"replica-{rank}.log")))
-    logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
-
-
 def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     """Build the data, model and trainer of one replica and train."""
     import torch
@@ -187,6 +206,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     from tpustream.training import Trainer
 
     cfg = plan.cfg
+    log.info("replica %d of %d on %s (pid %d)", runtime.rank, runtime.world_size, runtime.device, os.getpid())
     check_data(cfg, plan.train, plan.val, runtime.world_size)
     note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)
     if note and runtime.is_master:
@@ -223,6 +243,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             val_stream.layout.steps,
             val_stream.layout.padded_samples,
         )
+    worker_logging = functools.partial(setup_worker_logging, runtime.rank, runtime.world_size)
     height, width = plan.train.image_size
     model = create_model(
         cfg.model.name,
@@ -236,14 +257,22 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         plan.config_dict,
         runtime,
         model,
-        make_loader(train_stream, cfg.data.num_workers, cfg.data.prefetch_factor),
-        make_loader(val_stream, cfg.data.num_workers, cfg.data.prefetch_factor),
+        make_loader(
+            train_stream,
+            cfg.data.num_workers,
+            cfg.data.prefetch_factor,
+            worker_init_fn=worker_logging,
+            record_ids=bool(cfg.debug.sample_log_dir),
+        ),
+        make_loader(
+            val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_logging
+        ),
     )
     if plan.resume_url:
         trainer.restore(load_checkpoint(plan.resume_url))
         log.info("resumed from %s at epoch %d", plan.resume_url, trainer.start_epoch)
     summary = trainer.fit()
-    if runtime.is_master:
+    if runtime.is_master and not cfg.eval_only:
         log.info(
             "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
             100 * summary["best_accuracy"],
@@ -276,3 +305,68 @@ def replica_main(index: int, plan: RunPlan) -> None:
         # terminates every replica of this host.
         logging.shutdown()
         os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_simulated_pod(plan: RunPlan) -> None:
+    """accelerator=cpu_pod: one process per replica on this machine, collectives over gloo.
+
+    If a replica fails, torch.multiprocessing terminates the others (which may
+    be waiting for it in an all-reduce) and raises here.
+    """
+    import torch.multiprocessing as mp
+
+    world = plan.cfg.accelerator.num_devices
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    log.info(
+        "launching a simulated pod of %d replica processes (XLA CPU + gloo); train %d samples in %d "
+        "shards, validation %d samples; output %s%s",
+        world,
+        plan.train.num_samples,
+        len(plan.train.shards),
+        plan.val.num_samples,
+        plan.cfg.output_dir,
+        f"; resuming from {plan.resume_url}" if plan.resume_url else "",
+    )
+    try:
+        mp.start_processes(
+            simulated_replica_main, args=(plan, world, init_method), nprocs=world, start_method="spawn"
+        )
+    except mp.ProcessRaisedException as exc:
+        # The replica logged its error; its last traceback line names it.
+        last = str(exc).strip().splitlines()[-1]
+        error, _, message = last.partition(": ")
+        if error.startswith("tpustream.errors."):
+            raise TpustreamError(f"replica {exc.error_index}: {message}") from None
+        raise TpustreamError(
+            f"replica {exc.error_index} failed ({last}); its traceback is logged above"
+        ) from None
+    except mp.ProcessExitedException as exc:
+        raise TpustreamError(f"replica {exc.error_index} exited with code {exc.exit_code}") from None
+
+
+def simulated_replica_main(rank: int, plan: RunPlan, world: int, init_method: str) -> None:
+    """One replica of the simulated pod: gloo process group, own XLA CPU device, shared trainer code."""
+    import torch.distributed as dist
+
+    from tpustream.runtime import GlooRuntime
+
+    setup_replica_logging(rank, world, plan.cfg.log_dir)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
+    )
+    try:
+        run_replica(plan, GlooRuntime(rank, world, plan.cfg.accelerator.compile_cache_dir))
+    except TpustreamError as exc:
+        log.error("replica %d failed: %s", rank, exc)
+        raise
+    except BaseException:
+        log.error("replica %d failed:\n%s", rank, traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
