@@ -19,3 +19,9 @@ class StorageError(TpustreamError):
 
 class DataError(TpustreamError):
     """A shard or a sample is malformed (raised only with data.on_error=raise)."""
+
+
+# train.py exits with this code after a preemption signal (SIGTERM) once
+# output_dir/last.pt holds the progress: a launcher should run the same command
+# again (resume=auto continues from there). 75 is EX_TEMPFAIL in sysexits.h.
+PREEMPTED_EXIT_CODE = 75
