@@ -14,17 +14,33 @@ import hydra
 from omegaconf import DictConfig
 
 from tpustream.config import register_configs
-from tpustream.errors import TpustreamError
+from tpustream.errors import PREEMPTED_EXIT_CODE, TpustreamError
 from tpustream.launch import launch, prepare
+from tpustream.preemption import Preempted, install_stop_handlers
 
 log = logging.getLogger("train")
 register_configs()
 
+if __name__ == "__mp_main__":
+    # This file is also the main module of the processes that xmp.spawn and
+    # the simulated pod start (and of their DataLoader workers); this runs on
+    # their main thread, the only one allowed to install signal handlers, so
+    # SIGTERM becomes a stop request there instead of killing them mid-step.
+    install_stop_handlers()
+
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    install_stop_handlers()  # this process waits for its replicas, and reports
     try:
         result = launch(prepare(cfg))
+    except Preempted as exc:
+        log.warning(
+            "preempted (%s); progress is in %s/checkpoints/last.pt: run the same command to continue",
+            exc,
+            cfg.output_dir,
+        )
+        sys.exit(PREEMPTED_EXIT_CODE)
     except TpustreamError as exc:
         log.error("%s", exc)
         sys.exit(2)

@@ -5,7 +5,8 @@
 1. starts fake-gcs-server on 127.0.0.1 and creates the bucket gs://tpustream-demo,
 2. writes the digits shards into it (tpustream-make-shards digits gs://tpustream-demo/digits),
 3. runs train.py on the XLA CPU device, streaming the shards from the bucket and
-   writing best.pt / last.pt / metrics.json to gs://tpustream-demo/runs/demo,
+   writing checkpoints/best.pt, checkpoints/last.pt, config.yaml and metrics.jsonl
+   to gs://tpustream-demo/runs/demo,
 4. reads best.pt back from the bucket and prints its validation accuracy.
 
 The emulator keeps the bucket in memory; it is gone when the demo ends.
@@ -18,7 +19,7 @@ import sys
 import time
 
 from tpustream import storage
-from tpustream.checkpoint import BEST, load_checkpoint
+from tpustream.checkpoint import BEST, checkpoint_url, load_checkpoint
 from tpustream.data.make_shards import main as make_shards_main
 from tpustream.emulator import GcsEmulator
 
@@ -46,15 +47,16 @@ def main() -> int:
         if subprocess.call(command) != 0:
             return 1
         print(f"\nobjects in {run}:")
-        for name in storage.list_names(run):
-            print(
-                f"  {storage.join(run, name)}  ({len(storage.read_bytes(storage.join(run, name))):,} bytes)"
-            )
-        best = load_checkpoint(storage.join(run, BEST))
+        for folder in (run, storage.join(run, "checkpoints")):
+            for name in storage.list_names(folder):
+                url = storage.join(folder, name)
+                print(f"  {url}  ({len(storage.read_bytes(url)):,} bytes)")
+        best_url = checkpoint_url(run, BEST)
+        best = load_checkpoint(best_url)
         history = {m["epoch"]: m for m in best["history"]}
         metrics = history[best["epoch"]]
         print(
-            f"\n{storage.join(run, BEST)}: epoch {best['epoch']}, test accuracy "
+            f"\n{best_url}: epoch {best['epoch']}, test accuracy "
             f"{100 * best['best_accuracy']:.2f}% ({metrics['val_correct']}/{metrics['val_samples']} "
             f"digits images); demo took {time.time() - started:.0f} s",
             flush=True,

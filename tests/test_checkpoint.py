@@ -1,14 +1,28 @@
-"""Checkpoint writing, reading and the resume rules, locally and in a bucket."""
+"""Checkpoint writing, verification, the resume rules and the run folder, locally and in a bucket."""
 
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 import torch
 
 from tpustream import storage
-from tpustream.checkpoint import LAST, load_checkpoint, resolve_resume, save_checkpoint, write_metrics
+from tpustream.checkpoint import (
+    BEST,
+    LAST,
+    CheckpointError,
+    checkpoint_url,
+    config_fingerprint,
+    encode_checkpoint,
+    load_checkpoint,
+    read_metrics,
+    resolve_resume,
+    save_checkpoint,
+    write_config,
+    write_metrics,
+)
 from tpustream.errors import ConfigError, StorageError
 
 
@@ -23,15 +37,21 @@ class HostRuntime:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def serialize(self, state):
-        if not self.is_master:
-            return None
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
+    def state_to_host(self, state):
+        return state if self.is_master else None
 
     def barrier(self, tag: str) -> None:
         self.barriers.append(tag)
+
+
+def sample_state(epoch: int = 3) -> dict:
+    return {
+        "position": {"epoch": epoch + 1, "step": 0},
+        "epoch": epoch,
+        "model": {"w": torch.arange(1000.0), "n": torch.tensor(7)},
+        "config": {"lr": 0.1},
+        "history": [{"epoch": epoch}],
+    }
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -41,47 +61,99 @@ def output_dir(request, tmp_path):
     return f"{request.getfixturevalue('bucket')}/run"
 
 
-def test_round_trip_and_resume_auto(output_dir):
+def test_round_trip_layout_and_resume_auto(output_dir):
     runtime = HostRuntime()
     assert resolve_resume("auto", output_dir) is None
-    state = {"epoch": 3, "model": {"w": torch.arange(4.0)}, "config": {"lr": 0.1}, "history": [{"epoch": 3}]}
-    save_checkpoint(runtime, storage.join(output_dir, LAST), state)
-    assert runtime.barriers == [f"checkpoint:{storage.join(output_dir, LAST)}"]
-    url = resolve_resume("auto", output_dir)
-    assert url == storage.join(output_dir, LAST)
+    url = checkpoint_url(output_dir, LAST)
+    assert url == storage.join(output_dir, "checkpoints", "last.pt")
+    assert save_checkpoint(runtime, url, sample_state()) is None
+    assert runtime.barriers == [f"checkpoint:{url}"]
+    assert resolve_resume("auto", output_dir) == url
     loaded = load_checkpoint(url)
-    assert loaded["epoch"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(4.0))
+    assert loaded["epoch"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(1000.0))
+    # A plain torch.save file: torch.load reads it without tpustream.
+    plain = torch.load(io.BytesIO(storage.read_bytes(url)), weights_only=True)
+    assert torch.equal(plain["model"]["w"], torch.arange(1000.0)) and "integrity" in plain
     assert resolve_resume(None, output_dir) is None and resolve_resume("", output_dir) is None
-    write_metrics(runtime, output_dir, [{"epoch": 0, "val_accuracy": 0.5}])
-    assert b'"val_accuracy": 0.5' in storage.read_bytes(storage.join(output_dir, "metrics.json"))
+    # No temporary object or file is left next to the checkpoint.
+    assert storage.list_names(storage.join(output_dir, "checkpoints")) == ["last.pt"]
 
 
 def test_only_the_master_writes_but_everyone_waits(tmp_path):
     worker = HostRuntime(rank=1)
-    save_checkpoint(worker, str(tmp_path / "x.pt"), {"epoch": 0})
+    save_checkpoint(worker, str(tmp_path / "x.pt"), sample_state())
     assert not (tmp_path / "x.pt").exists() and worker.barriers
 
 
-def test_bad_checkpoints_and_paths_are_named(tmp_path):
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ConfigError, match="junk.pt: not a readable tpustream checkpoint"):
-        load_checkpoint(str(tmp_path / "junk.pt"))
+def flip_byte_in_tensor_data(data: bytes) -> bytes:
+    marker = torch.arange(1000.0)[500:501].numpy().tobytes()  # the float 500.0, inside the tensor
+    index = data.index(marker)
+    return data[:index] + bytes([data[index] ^ 0x01]) + data[index + 1 :]
+
+
+def test_damage_is_detected_with_a_clear_message(tmp_path):
+    good = encode_checkpoint(sample_state())
+    (tmp_path / "flipped.pt").write_bytes(flip_byte_in_tensor_data(good))
+    with pytest.raises(CheckpointError, match="flipped.pt: checksum mismatch, the file is damaged"):
+        load_checkpoint(str(tmp_path / "flipped.pt"))
+    (tmp_path / "truncated.pt").write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="truncated.pt: damaged or not a checkpoint"):
+        load_checkpoint(str(tmp_path / "truncated.pt"))
     buffer = io.BytesIO()
     torch.save({"weights": torch.zeros(1)}, buffer)
     (tmp_path / "other.pt").write_bytes(buffer.getvalue())
-    with pytest.raises(ConfigError, match="not a tpustream checkpoint"):
+    with pytest.raises(CheckpointError, match="other.pt: not a tpustream checkpoint"):
         load_checkpoint(str(tmp_path / "other.pt"))
+
+
+def test_resume_auto_falls_back_to_best_then_to_a_fresh_start(tmp_path, caplog):
+    out = str(tmp_path / "run")
+    runtime = HostRuntime()
+    save_checkpoint(runtime, checkpoint_url(out, BEST), sample_state(epoch=2))
+    save_checkpoint(runtime, checkpoint_url(out, LAST), sample_state(epoch=3))
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    last.write_bytes(flip_byte_in_tensor_data(last.read_bytes()))
+    with caplog.at_level(logging.ERROR):
+        assert resolve_resume("auto", out) == checkpoint_url(out, BEST)
+    assert "last.pt: checksum mismatch" in caplog.text
+    best = tmp_path / "run" / "checkpoints" / "best.pt"
+    best.write_bytes(best.read_bytes()[:100])
+    assert resolve_resume("auto", out) is None  # neither usable: a fresh start, with both errors logged
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        resolve_resume(str(last), out)  # an explicit checkpoint must be valid
     with pytest.raises(ConfigError, match="no checkpoint at"):
-        resolve_resume(str(tmp_path / "missing.pt"), str(tmp_path))
+        resolve_resume(str(tmp_path / "missing.pt"), out)
 
 
-def test_a_failed_write_is_raised_after_the_barrier(tmp_path, monkeypatch):
+def test_a_failed_write_keeps_the_checkpoint_locally_and_says_where(tmp_path, monkeypatch, caplog):
     runtime = HostRuntime()
 
     def fail(url, data):
-        raise StorageError(f"{url}: permission denied (403)")
+        raise StorageError(f"{url}: HTTPConnectionPool: connection refused")
 
-    monkeypatch.setattr(storage, "write_bytes", fail)
-    with pytest.raises(StorageError, match="403"):
-        save_checkpoint(runtime, str(tmp_path / "best.pt"), {"epoch": 1})
+    monkeypatch.setattr(storage, "write_bytes_verified", fail)
+    url = "gs://bkt/run/checkpoints/last.pt"
+    with caplog.at_level(logging.ERROR):
+        kept = save_checkpoint(runtime, url, sample_state(), fallback_dir=str(tmp_path / "unsaved"))
+    assert kept == str(tmp_path / "unsaved" / "gs" / "bkt" / "run" / "checkpoints" / "last.pt")
+    assert load_checkpoint(kept)["epoch"] == 3
+    assert f"could not write {url}" in caplog.text and kept in caplog.text
     assert runtime.barriers  # peers are not left waiting for the master
+    with pytest.raises(StorageError, match="connection refused"):
+        save_checkpoint(runtime, url, sample_state())  # without a fallback folder the error is raised
+
+
+def test_run_folder_files(output_dir):
+    write_metrics(output_dir, [{"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.75}])
+    assert [m["val_accuracy"] for m in read_metrics(output_dir)] == [0.5, 0.75]
+    write_config(output_dir, {"batch_size": 64, "data": {"root": "gs://b/x"}})
+    text = storage.read_bytes(storage.join(output_dir, "config.yaml")).decode()
+    assert "batch_size: 64" in text and "root: gs://b/x" in text
+
+
+def test_config_fingerprint_ignores_what_a_resumed_run_may_change():
+    base = {"epochs": 10, "output_dir": "a", "optim": {"lr": 0.1}, "debug": {"stop_at_step": 0}}
+    assert config_fingerprint(base) == config_fingerprint(
+        {**base, "epochs": 20, "output_dir": "b", "debug": {}}
+    )
+    assert config_fingerprint(base) != config_fingerprint({**base, "optim": {"lr": 0.2}})

@@ -1,24 +1,23 @@
-"""End to end on the XLA CPU device: shards in a bucket -> train.py -> best.pt in the bucket -> resume.
+"""End to end on the XLA CPU device: shards in a bucket -> train.py -> checkpoints in the bucket -> resume.
 
 Each run is a real `python train.py` in its own process (xmp.spawn, one replica).
 """
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from tests.conftest import run_train
 from tpustream import storage
-from tpustream.checkpoint import load_checkpoint
+from tpustream.checkpoint import load_checkpoint, read_metrics
 
 pytestmark = pytest.mark.slow
 
 
 def metrics(run: str) -> list[dict]:
-    return json.loads(storage.read_bytes(storage.join(run, "metrics.json")))
+    return read_metrics(run)
 
 
 def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_path):
@@ -27,8 +26,9 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     first = run_train(*common, "epochs=4", f"hydra.run.dir={tmp_path}/h1")
     assert first.returncode == 0, first.stderr[-3000:]
 
-    assert {"best.pt", "last.pt", "metrics.json"} <= set(storage.list_names(run))
-    best = load_checkpoint(f"{run}/best.pt")
+    assert {"config.yaml", "metrics.jsonl"} <= set(storage.list_names(run))
+    assert storage.list_names(f"{run}/checkpoints") == ["best.pt", "last.pt"]  # no temporary objects left
+    best = load_checkpoint(f"{run}/checkpoints/best.pt")
     assert best["best_accuracy"] >= 0.6, best["history"]  # chance is 0.1
     assert best["config"]["data"]["root"] == f"{digits_bucket}/digits"
     history = metrics(run)
@@ -50,12 +50,12 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
 
     second = run_train(*common, "epochs=6", f"hydra.run.dir={tmp_path}/h2")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resumed from {run}/last.pt at epoch 4" in second.stderr
+    assert f"resumed from {run}/checkpoints/last.pt at epoch 4, step 0" in second.stderr
     history = metrics(run)
     assert [m["epoch"] for m in history] == [0, 1, 2, 3, 4, 5]
-    last = load_checkpoint(f"{run}/last.pt")
+    last = load_checkpoint(f"{run}/checkpoints/last.pt")
     assert last["epoch"] == 5 and last["global_step"] == 6 * 23
-    assert load_checkpoint(f"{run}/best.pt")["best_accuracy"] >= best["best_accuracy"]
+    assert load_checkpoint(f"{run}/checkpoints/best.pt")["best_accuracy"] >= best["best_accuracy"]
 
 
 def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, tmp_path):
@@ -74,4 +74,4 @@ def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, 
     assert len(errors) == 1 and errors[0].endswith(f"{shard}: no such object (404)")
     assert "Traceback" not in output
     # The run stopped at the error instead of finishing a short epoch.
-    assert not storage.exists(f"{digits_bucket}/runs/broken/last.pt")
+    assert not storage.exists(f"{digits_bucket}/runs/broken/checkpoints/last.pt")

@@ -214,3 +214,20 @@ def test_recorded_sample_ids_name_each_real_sample_once(uneven_split, workers):
             assert ids is None  # host-only: never sent to the device
         seen.update(int(i) for ids in loader.sample_ids for i in ids)
     assert set(seen) == expected and set(seen.values()) == {1}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("skip", [1, 4, 12])
+def test_resuming_mid_epoch_yields_exactly_the_remaining_batches(uneven_split, workers, skip):
+    options = dict(train=True, batch=8, workers=workers, shuffle_buffer=32, crop_padding=2, hflip=True)
+    full = run_epoch(stream(uneven_split, **options), workers, epoch=3)
+    resumed = stream(uneven_split, **options)
+    resumed.set_epoch(3, skip_batches=skip)
+    loader = make_loader(resumed, workers)
+    rest = list(loader)
+    loader.raise_if_incomplete("train")
+    assert len(full) == 13 and len(rest) == 13 - skip
+    for a, b in zip(full[skip:], rest, strict=True):
+        for key in ("image", "label", "real"):
+            assert torch.equal(a[key], b[key])

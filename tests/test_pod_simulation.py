@@ -6,7 +6,6 @@ data splitting, metric reduction and checkpointing are the code a TPU pod runs.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 
@@ -15,7 +14,7 @@ import pytest
 
 from tests.conftest import run_train
 from tpustream import storage
-from tpustream.checkpoint import load_checkpoint
+from tpustream.checkpoint import load_checkpoint, read_metrics
 from tpustream.data.manifest import load_manifest
 from tpustream.data.pipeline import SHARD_ID_SHIFT
 from tpustream.data.sharding import order_shards, plan_layout, split_by_replica
@@ -53,7 +52,7 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
         seen = Counter(int(i) for ids in per_replica for i in ids)
         assert set(seen) == expected and set(seen.values()) == {1}
     # Every replica ran the same number of steps: ceil(1438 / (16 x 4)).
-    history = json.loads(storage.read_bytes(f"{run}/metrics.json"))
+    history = read_metrics(run)
     assert [m["replica_steps"] for m in history] == [23, 23]
     assert all(m["train_samples"] == 1438 and m["val_samples"] == 359 for m in history)
 
@@ -67,12 +66,12 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
 
     # The pod's reduced accuracy is the accuracy of the checkpoint it saved,
     # evaluated again by one replica.
-    best = load_checkpoint(f"{run}/best.pt")
+    best = load_checkpoint(f"{run}/checkpoints/best.pt")
     pod = next(m for m in history if m["epoch"] == best["epoch"])
     single = run_train(
         f"data.root={digits_bucket}/digits",
         f"output_dir={tmp_path}/eval",
-        f"resume={run}/best.pt",
+        f"resume={run}/checkpoints/best.pt",
         "eval_only=true",
         f"hydra.run.dir={tmp_path}/h2",
     )

@@ -1,20 +1,31 @@
-"""Checkpoints: what they hold, and writing/reading them atomically, locally or on GCS.
+"""Checkpoints that never lose progress: what they hold, how they are written and read.
 
-A checkpoint holds everything needed to continue exactly at an epoch
-boundary: model and optimizer state, the epoch just finished, the global step,
-the best validation accuracy so far, the metrics history and the resolved
-config. Data order is a function of (seed, epoch), so resuming at epoch e+1
-replays the same batches an uninterrupted run would have seen.
+Run folder (``output_dir``, a local path or ``gs://bucket/run``)::
+
+    checkpoints/best.pt   best reduced validation accuracy so far
+    checkpoints/last.pt   every epoch, every checkpoint.every_n_steps steps, and on preemption
+    config.yaml           the resolved config of the (latest) run
+    metrics.jsonl         one line per epoch
+
+A checkpoint is a plain ``torch.save`` file (``torch.load`` reads it) holding
+the model, optimizer, the training position (epoch and step within it), the
+partial sums of the epoch in progress, best accuracy, history, RNG states, the
+config and its fingerprint, plus ``integrity``: a SHA-256 over all of that
+content. torch.load does not notice flipped bytes inside tensor data; we do.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from tpustream import storage
 from tpustream.errors import ConfigError, StorageError
@@ -22,60 +33,164 @@ from tpustream.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+CHECKPOINTS = "checkpoints"
 BEST = "best.pt"
 LAST = "last.pt"
-METRICS = "metrics.json"
-CHECKPOINT_VERSION = 1
+METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+CHECKPOINT_VERSION = 2
+# Keys whose change on resume is expected (longer runs, new folders, debugging).
+FINGERPRINT_IGNORES = (
+    "epochs",
+    "output_dir",
+    "log_dir",
+    "resume",
+    "eval_only",
+    "debug",
+    "early_stop_patience",
+)
 
 
-def save_checkpoint(runtime: Runtime, url: str, state: dict[str, Any]) -> None:
-    """Write state to url from the master replica; every replica must call this."""
-    data = runtime.serialize({"version": CHECKPOINT_VERSION, **state})
-    error: Exception | None = None
-    if data is not None:
-        try:
-            storage.write_bytes(url, data)
-            log.info("saved %s (%.1f MB)", url, len(data) / 1e6)
-        except StorageError as exc:
-            error = exc
-    # Replicas wait for the write so nobody races ahead to read or overwrite it.
-    runtime.barrier(f"checkpoint:{url}")
-    if error is not None:
-        raise error
+class CheckpointError(ConfigError):
+    """A checkpoint exists but cannot be used (damaged, foreign, or another version)."""
 
 
-def load_checkpoint(url: str) -> dict[str, Any]:
-    """Read a checkpoint written by save_checkpoint (tensors on the CPU)."""
-    data = storage.read_bytes(url)
+def checkpoint_url(output_dir: str, name: str) -> str:
+    return storage.join(output_dir, CHECKPOINTS, name)
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """SHA-256 of the config without the keys a resumed run may legitimately change."""
+    kept = {k: v for k, v in config.items() if k not in FINGERPRINT_IGNORES}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def content_digest(state: Any) -> str:
+    """SHA-256 over a checkpoint's content in a canonical order (without 'integrity')."""
+    digest = hashlib.sha256()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        elif isinstance(value, Mapping):
+            digest.update(b"{")
+            for key in sorted(value, key=str):
+                if key == "integrity":
+                    continue
+                digest.update(repr(key).encode())
+                visit(value[key])
+            digest.update(b"}")
+        elif isinstance(value, list | tuple):
+            digest.update(b"[")
+            for item in value:
+                visit(item)
+            digest.update(b"]")
+        else:
+            digest.update(repr(value).encode())
+
+    visit(state)
+    return digest.hexdigest()
+
+
+def encode_checkpoint(host_state: dict[str, Any]) -> bytes:
+    """torch.save bytes of a host (CPU) state, with its integrity digest added."""
+    state = {"version": CHECKPOINT_VERSION, **host_state}
+    state["integrity"] = content_digest(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def decode_checkpoint(data: bytes, source: str) -> dict[str, Any]:
+    """Load and verify; raises CheckpointError naming the source if it is damaged or foreign."""
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged file
-        raise ConfigError(f"{url}: not a readable tpustream checkpoint ({exc.__class__.__name__})") from exc
+        reason = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:120]}"
+        raise CheckpointError(f"{source}: damaged or not a checkpoint ({reason})") from None
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise ConfigError(f"{url}: not a tpustream checkpoint (version {CHECKPOINT_VERSION})")
+        raise CheckpointError(f"{source}: not a tpustream checkpoint (version {CHECKPOINT_VERSION})")
+    if state.get("integrity") != content_digest(state):
+        raise CheckpointError(f"{source}: checksum mismatch, the file is damaged")
     return state
+
+
+def load_checkpoint(url: str) -> dict[str, Any]:
+    """Read and verify a checkpoint written by save_checkpoint (tensors on the CPU)."""
+    return decode_checkpoint(storage.read_bytes(url), url)
+
+
+def save_checkpoint(
+    runtime: Runtime, url: str, state: dict[str, Any], fallback_dir: str | None = None
+) -> str | None:
+    """Write state to url from the master replica; every replica must call this.
+
+    Every replica waits at a barrier until the write is done, so none runs
+    ahead or exits before it (under PJRT xm.save no longer synchronises).
+    If the write fails after the storage client's retries, the master keeps
+    the checkpoint in fallback_dir, logs where, and returns that path;
+    training goes on.
+    """
+    host_state = runtime.state_to_host(state)
+    kept_at: str | None = None
+    if host_state is not None:
+        data = encode_checkpoint(host_state)
+        try:
+            storage.write_bytes_verified(url, data)
+            log.info("saved %s (%.1f MB)", url, len(data) / 1e6)
+        except StorageError as exc:
+            if fallback_dir is None:
+                raise
+            kept_at = os.path.join(fallback_dir, url.replace("://", "/").lstrip("/"))
+            storage.write_bytes(kept_at, data)
+            log.error("could not write %s (%s); kept the checkpoint at %s", url, exc, kept_at)
+    runtime.barrier(f"checkpoint:{url}")
+    return kept_at
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     """The checkpoint URL to continue from, or None to start fresh.
 
-    "auto" continues from output_dir/last.pt when it exists, so rerunning the
-    same command after a preemption picks up where the run stopped.
+    "auto" continues from output_dir's last.pt; if that is damaged it says
+    so and uses best.pt; if neither is usable it starts fresh (and says why).
+    An explicit path or URL must be a valid checkpoint.
     """
     if resume is None or resume == "":
         return None
-    if resume == "auto":
-        url = storage.join(output_dir, LAST)
-        return url if storage.exists(url) else None
-    url = storage.absolute(resume)
+    if resume != "auto":
+        url = storage.absolute(resume)
+        if not storage.exists(url):
+            raise ConfigError(f"resume={resume}: no checkpoint at {url}")
+        load_checkpoint(url)
+        return url
+    for name in (LAST, BEST):
+        url = checkpoint_url(output_dir, name)
+        if not storage.exists(url):
+            continue
+        try:
+            load_checkpoint(url)
+            return url
+        except CheckpointError as exc:
+            log.error("resume=auto: %s; trying the next checkpoint", exc)
+    return None
+
+
+def write_config(output_dir: str, config: Mapping[str, Any]) -> None:
+    storage.write_bytes(
+        storage.join(output_dir, CONFIG), OmegaConf.to_yaml(OmegaConf.create(dict(config))).encode()
+    )
+
+
+def write_metrics(output_dir: str, history: list[dict[str, Any]]) -> None:
+    """Rewrite metrics.jsonl (GCS objects cannot be appended to; the file is small)."""
+    text = "".join(json.dumps(record, sort_keys=True) + "\n" for record in history)
+    storage.write_bytes(storage.join(output_dir, METRICS), text.encode())
+
+
+def read_metrics(output_dir: str) -> list[dict[str, Any]]:
+    url = storage.join(output_dir, METRICS)
     if not storage.exists(url):
-        raise ConfigError(f"resume={resume}: no checkpoint at {url}")
-    return url
-
-
-def write_metrics(runtime: Runtime, output_dir: str, history: list[dict[str, Any]]) -> None:
-    """Rewrite output_dir/metrics.json with every epoch's metrics (master only)."""
-    if runtime.is_master:
-        storage.write_bytes(
-            storage.join(output_dir, METRICS), (json.dumps(history, indent=1) + "\n").encode()
-        )
+        return []
+    return [json.loads(line) for line in storage.read_bytes(url).decode().splitlines() if line.strip()]

@@ -117,6 +117,20 @@ class AcceleratorConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When last.pt is written besides every epoch end, and where it goes if output_dir fails."""
+
+    # Also write last.pt every this many training steps (0 = epoch ends only).
+    every_n_steps: int = 0
+    # Replicas agree on a stop request (SIGTERM) every this many steps and
+    # evaluation batches: a small host-side collective each time on a pod.
+    stop_check_every: int = 10
+    # Local folder for a checkpoint that could not be written to output_dir
+    # (e.g. GCS unreachable after retries); null = <log_dir>/unsaved.
+    fallback_dir: str | None = None
+
+
+@dataclass
 class DebugConfig:
     """Checks that cost time; for tests and for chasing a misbehaving pod."""
 
@@ -126,6 +140,9 @@ class DebugConfig:
     # Every this many steps, check that all replicas hold bit-identical
     # parameters and stop if not (0 = never; copies the model to the host).
     check_sync_every: int = 0
+    # Act as if SIGTERM arrived when the run reaches this global step (0 = never):
+    # rehearses a preemption at a known point.
+    stop_at_step: int = 0
 
 
 @dataclass
@@ -142,17 +159,20 @@ class TrainConfig:
     seed: int = 0
     # Log a training line every this many steps (a host sync only on those steps).
     log_steps: int = 20
-    # Where best.pt, last.pt and metrics.json go: a local folder or gs://bucket/prefix.
+    # The run folder, a local path or gs://bucket/prefix: checkpoints/best.pt and
+    # checkpoints/last.pt, config.yaml, metrics.jsonl.
     output_dir: str = MISSING
     # Local folder for per-replica log files (Hydra's run folder by default).
     log_dir: str | None = None
-    # null: start fresh; "auto": continue from output_dir/last.pt if it exists;
+    # null: start fresh; "auto": continue from output_dir's checkpoints/last.pt if it
+    # is there (or best.pt if last.pt is damaged);
     # otherwise a checkpoint path or gs:// URL to continue from.
     resume: str | None = "auto"
     # Stop after this many epochs without a better validation accuracy (0 = never).
     early_stop_patience: int = 0
-    # Only evaluate the checkpoint given by resume (or output_dir/last.pt) and report.
+    # Only evaluate the checkpoint that resume names (or finds) and report.
     eval_only: bool = False
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

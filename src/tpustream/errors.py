@@ -22,6 +22,6 @@ class DataError(TpustreamError):
 
 
 # train.py exits with this code after a preemption signal (SIGTERM) once
-# output_dir/last.pt holds the progress: a launcher should run the same command
+# output_dir/checkpoints/last.pt holds the progress: a launcher should run the same command
 # again (resume=auto continues from there). 75 is EX_TEMPFAIL in sysexits.h.
 PREEMPTED_EXIT_CODE = 75

@@ -15,7 +15,6 @@ that happens on the replica's own device:
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -56,13 +55,31 @@ class Runtime(Protocol):
     def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
         """Run fn(*args) on the host once the current step's tensors are computed."""
 
-    def serialize(self, state: Any) -> bytes | None:
-        """torch.save bytes of state with tensors on the CPU, on the master only (None elsewhere)."""
+    def state_to_host(self, state: Any) -> Any | None:
+        """state with its tensors on the CPU, on the master only (None elsewhere).
+
+        A collective: every replica calls it at the same point of the program.
+        """
+
+    def rng_state(self) -> int:
+        """The device random generator's state (dropout and other device randomness)."""
+
+    def set_rng_state(self, state: int) -> None: ...
 
     def wait_device_ops(self) -> None: ...
 
     def compilations(self) -> int:
         """Graphs compiled so far in this process (for recompilation checks)."""
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_host(v) for v in value)
+    return value
 
 
 class _ErrorKeepingIterable:
@@ -121,6 +138,28 @@ class _XlaDevice:
         import torch_xla.core.xla_model as xm
 
         xm.add_step_closure(fn, args=args)
+
+    def state_to_host(self, state: Any) -> Any | None:
+        import torch_xla
+
+        # What xm.save does, with public calls: every replica cuts the graph
+        # here (pending work, collectives included, runs the same program on
+        # all of them), then only the master copies tensors, which are plain
+        # device data by now, to the host.
+        torch_xla.sync()
+        if not self.is_master:
+            return None
+        return _to_host(state)
+
+    def rng_state(self) -> int:
+        import torch_xla.core.xla_model as xm
+
+        return int(xm.get_rng_state(self.device))
+
+    def set_rng_state(self, state: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(state, self.device)
 
     def wait_device_ops(self) -> None:
         import torch_xla.core.xla_model as xm
@@ -187,15 +226,6 @@ class XlaRuntime(_XlaDevice):
 
         if self.world_size > 1:
             xm.rendezvous(tag)
-
-    def serialize(self, state: Any) -> bytes | None:
-        import torch_xla.core.xla_model as xm
-
-        buffer = io.BytesIO()
-        # Every replica must call xm.save (it syncs pending device work);
-        # only the global master transfers tensors and writes.
-        xm.save(state, buffer, master_only=True, global_master=True)
-        return buffer.getvalue() if self.is_master else None
 
 
 class GlooRuntime(_XlaDevice):
@@ -266,14 +296,3 @@ class GlooRuntime(_XlaDevice):
         import torch.distributed as dist
 
         dist.barrier()
-
-    def serialize(self, state: Any) -> bytes | None:
-        import torch_xla.core.xla_model as xm
-
-        if not self.is_master:
-            return None
-        buffer = io.BytesIO()
-        # Each simulated replica is a one-device XLA world of its own, so
-        # master_only=False just means "this process writes".
-        xm.save(state, buffer, master_only=False)
-        return buffer.getvalue()

@@ -7,6 +7,7 @@ and a bucket prefix behave the same way everywhere in the product.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import os
@@ -16,6 +17,8 @@ import threading
 import time
 import uuid
 from typing import BinaryIO
+
+import google_crc32c
 
 from tpustream.errors import StorageError
 
@@ -422,6 +425,44 @@ def write_bytes(url: str, data: bytes) -> None:
         raise
 
 
+def write_bytes_verified(url: str, data: bytes) -> None:
+    """write_bytes for data that must never be seen half-written or corrupted (checkpoints).
+
+    Locally: temporary file, fsync, rename (as write_bytes). On GCS: upload
+    under a temporary name with a crc32c the service checks, then a
+    server-side copy to the final name under a generation precondition (the
+    final object is still the one we looked at, or absent), then delete the
+    temporary object. Readers see the previous complete object or the new one.
+    """
+    if not is_gcs(url):
+        write_bytes(url, data)
+        return
+    from google.api_core import exceptions as gexc
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    bucket_name, name = split_gcs_url(url)
+    bucket = gcs_client().bucket(bucket_name)
+    temp = bucket.blob(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        temp.upload_from_file(
+            io.BytesIO(data), size=len(data), rewind=True, checksum="crc32c", retry=DEFAULT_RETRY
+        )
+        expected = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+        if temp.crc32c != expected:
+            raise StorageError(f"{url}: uploaded crc32c {temp.crc32c} differs from the data's {expected}")
+        current = bucket.get_blob(name, retry=DEFAULT_RETRY)
+        bucket.copy_blob(
+            temp, bucket, name, if_generation_match=current.generation if current else 0, retry=DEFAULT_RETRY
+        )
+    except gexc.PreconditionFailed as exc:
+        raise StorageError(f"{url}: changed by another writer while we were saving; not overwritten") from exc
+    except gexc.GoogleAPICallError as exc:
+        raise _gcs_error(url, exc) from exc
+    finally:
+        with contextlib.suppress(Exception):
+            temp.delete(retry=DEFAULT_RETRY)
+
+
 def delete(url: str) -> bool:
     """Remove a file or object; False if it was not there."""
     if not is_gcs(url):
@@ -454,9 +495,6 @@ def has_same_content(url: str, data: bytes) -> bool:
                 return f.read() == data
         except OSError:
             return False
-    import base64
-
-    import google_crc32c
     from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(url)

@@ -12,6 +12,8 @@ import hashlib
 import logging
 import math
 import os
+import random
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpustream import checkpoint, storage
+from tpustream import checkpoint, preemption
 from tpustream.config import OptimizerName, Schedule, TrainConfig
 from tpustream.data.augment import Normalizer
 from tpustream.data.pipeline import CountingLoader
+from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -141,6 +144,8 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class Trainer:
+    """One replica's training: built once per replica, same code on a TPU pod and in the simulation."""
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -160,7 +165,7 @@ class Trainer:
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         self.train_loader = train_loader
         self.val_loader = val_loader
-        self.steps_per_epoch = len(train_loader)
+        self.steps_per_epoch = train_loader.loader.dataset.layout.steps
         self.schedule = LRSchedule(
             peak=cfg.optim.lr,
             warmup_steps=max(1, round(cfg.optim.warmup_epochs * self.steps_per_epoch)),
@@ -169,34 +174,103 @@ class Trainer:
             min_ratio=cfg.optim.min_lr_ratio,
         )
         self.output_dir = cfg.output_dir
-        self.start_epoch = 0
+        self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
+            cfg.log_dir or tempfile.gettempdir(), "unsaved"
+        )
+        # The training position: the next batch to train is batch `step` of
+        # epoch `epoch`; step == steps_per_epoch means "trained, not evaluated".
+        self.epoch = 0
+        self.step = 0
         self.global_step = 0
+        # Reduced sums of the epoch in progress up to `step`, and its train
+        # metrics once its training part is done (both from a checkpoint).
+        self.partial: dict[str, float] | None = None
+        self.pending_train_metrics: dict[str, Any] | None = None
         self.best_accuracy = -1.0
         self.best_epoch = -1
         self.history: list[dict[str, Any]] = []
+        self.unsaved: list[str] = []
         self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
 
     # -- state ------------------------------------------------------------
-    def state(self, epoch: int) -> dict[str, Any]:
+    def data_plan(self) -> dict[str, int]:
+        """What a mid-epoch data position depends on: change any of these and it means nothing."""
         return {
-            "epoch": epoch,
-            "global_step": self.global_step,
-            "best_accuracy": self.best_accuracy,
-            "best_epoch": self.best_epoch,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "history": self.history,
-            "config": self.config_dict,
+            "world_size": self.runtime.world_size,
+            "batch_size": self.cfg.batch_size,
+            "num_workers": self.cfg.data.num_workers,
+            "steps_per_epoch": self.steps_per_epoch,
+            "seed": self.cfg.seed,
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def state(self) -> dict[str, Any]:
+        return {
+            "position": {"epoch": self.epoch, "step": self.step},
+            "epoch": self.epoch - 1,  # the last completed (trained and evaluated) epoch
+            "global_step": self.global_step,
+            "partial": self.partial,
+            "pending_train_metrics": self.pending_train_metrics,
+            "best_accuracy": self.best_accuracy,
+            "best_epoch": self.best_epoch,
+            "history": self.history,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self._rng_states(),
+            "data_plan": self.data_plan(),
+            "config": self.config_dict,
+            "config_fingerprint": checkpoint.config_fingerprint(self.config_dict),
+        }
+
+    def _rng_states(self) -> dict[str, Any]:
+        numpy_state = np.random.get_state(legacy=False)
+        return {
+            "python": random.getstate(),
+            "numpy": {
+                "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                "pos": int(numpy_state["state"]["pos"]),
+            },
+            "torch": torch.get_rng_state(),
+            "xla": self.runtime.rng_state(),
+        }
+
+    def _set_rng_states(self, rng: dict[str, Any]) -> None:
+        random.setstate(rng["python"])
+        state = np.random.get_state(legacy=False)
+        state["state"] = {"key": rng["numpy"]["key"].numpy().astype(np.uint32), "pos": rng["numpy"]["pos"]}
+        np.random.set_state(state)
+        torch.set_rng_state(rng["torch"])
+        self.runtime.set_rng_state(int(rng["xla"]))
+
+    def restore(self, state: dict[str, Any], source: str) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.start_epoch = int(state["epoch"]) + 1
+        self.epoch, self.step = int(state["position"]["epoch"]), int(state["position"]["step"])
         self.global_step = int(state["global_step"])
+        self.partial = state["partial"]
+        self.pending_train_metrics = state["pending_train_metrics"]
         self.best_accuracy = float(state["best_accuracy"])
         self.best_epoch = int(state["best_epoch"])
         self.history = list(state["history"])
+        self._set_rng_states(state["rng"])
+        if state["config_fingerprint"] != checkpoint.config_fingerprint(self.config_dict):
+            log.warning("%s was written with a different config; continuing with the current one", source)
+        if 0 < self.step < self.steps_per_epoch and state["data_plan"] != self.data_plan():
+            # The sample order of an epoch depends on replicas x workers x batch:
+            # a position inside it means nothing under another plan.
+            log.warning(
+                "%s stopped at step %d of epoch %d under %s; this run has %s, so epoch %d restarts "
+                "from its first batch (the samples of its first %d steps are seen again)",
+                source,
+                self.step,
+                self.epoch,
+                state["data_plan"],
+                self.data_plan(),
+                self.epoch,
+                self.step,
+            )
+            self.global_step -= self.step
+            self.step, self.partial = 0, None
+        log.info("resumed from %s at epoch %d, step %d", source, self.epoch, self.step)
 
     # -- hooks ------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -229,7 +303,7 @@ class Trainer:
         return loss.detach()
 
     # -- loops ------------------------------------------------------------
-    def _device_zeros(self, *dtypes: torch.dtype) -> list[torch.Tensor]:
+    def _device_values(self, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
         """Metric accumulators of shape (1,), made on the host and copied over.
 
         torch.zeros(device=xla), or a 0-dim host zero copied over, is a
@@ -237,54 +311,117 @@ class Trainer:
         else was pending it compiled once more in epoch 1. A copied (1,)
         tensor is device data and compiles nothing.
         """
-        return [torch.zeros(1, dtype=d).to(self.runtime.device) for d in dtypes]
+        return [torch.tensor([value], dtype=dtype).to(self.runtime.device) for value, dtype in values]
+
+    def _stop_agreed(self) -> bool:
+        """Whether any replica received a stop request; every replica gets the same answer."""
+        local = preemption.stop_requested()
+        if self.runtime.world_size == 1:
+            return local
+        (votes,) = self.runtime.reduce_host_sum(f"stop-{self.global_step}", [1.0 if local else 0.0])
+        return votes > 0
+
+    def _reduced_partial(
+        self, loss_sum: torch.Tensor, count: torch.Tensor, filled_before: int, seconds: float
+    ) -> dict[str, float]:
+        """The epoch's sums so far over all replicas (a collective), for a mid-epoch checkpoint.
+
+        The master's accumulators already hold the sums from before a resume,
+        so the all-reduce covers the whole epoch so far. 'filled' counts the
+        batches the loader handed out, which may run a few prefetched batches
+        ahead of training; it is a report of bad data, not used for training.
+        """
+        loss_total, count_total = self.runtime.all_reduce_sum([loss_sum, count])
+        (filled,) = self.runtime.reduce_host_sum(f"partial-{self.global_step}", [self.train_loader.filled])
+        return {
+            "loss_sum": float(loss_total.item()),
+            "count": int(count_total.item()),
+            "filled": int(filled) + filled_before,
+            "seconds": seconds,
+        }
+
+    def _save(self, name: str) -> None:
+        kept = checkpoint.save_checkpoint(
+            self.runtime, checkpoint.checkpoint_url(self.output_dir, name), self.state(), self.fallback_dir
+        )
+        if kept:
+            self.unsaved.append(kept)
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
+        """Train the rest of `epoch` from self.step; raises Preempted after saving if asked to stop."""
         self.model.train()
-        self.train_loader.loader.dataset.set_epoch(epoch)
+        start_step = self.step
+        self.train_loader.loader.dataset.set_epoch(epoch, skip_batches=start_step)
         tracker = RateTracker()
-        loss_sum, real_count = self._device_zeros(torch.float32, torch.int32)
+        # The master carries the partial sums of a resumed epoch; the epoch's
+        # reduction then adds every replica's sums to them exactly once.
+        base = self.partial if (self.partial and self.runtime.is_master) else None
+        loss_sum, real_count = self._device_values(
+            (base["loss_sum"] if base else 0.0, torch.float32), (base["count"] if base else 0, torch.int32)
+        )
+        previous_seconds = self.partial["seconds"] if self.partial else 0.0
+        previous_filled = self.partial["filled"] if self.partial else 0
         start = time.time()
-        step = 0
-        for step, batch in enumerate(self.runtime.device_loader(self.train_loader)):
+        check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
+        save_every = self.cfg.checkpoint.every_n_steps
+        for index, batch in enumerate(self.runtime.device_loader(self.train_loader)):
+            step = start_step + index
             loss = self.step_fn(batch)
             batch_size = batch["label"].shape[0]
             loss_sum += loss * batch_size
             real_count += (batch["real"] > 0).sum().int()
             tracker.add(batch_size)
             self.global_step += 1
+            if self.global_step == self.cfg.debug.stop_at_step:
+                preemption.request_stop()
             if step % self.cfg.log_steps == 0:
                 self.runtime.add_step_closure(self._log_step, (epoch, step, loss, tracker))
-            check_every = self.cfg.debug.check_sync_every
-            if check_every and self.global_step % check_every == 0:
+            sync_every = self.cfg.debug.check_sync_every
+            if sync_every and self.global_step % sync_every == 0:
                 self.runtime.add_step_closure(self._check_replicas_in_sync, (self.global_step,))
+            if step + 1 == self.steps_per_epoch:
+                continue  # the epoch's end saves and checks for stop requests (in evaluation)
+            stop = (index + 1) % check_every == 0 and self._stop_agreed()
+            if stop or (save_every and self.global_step % save_every == 0):
+                # A snapshot: the accumulators keep running either way.
+                self.partial = self._reduced_partial(
+                    loss_sum, real_count, previous_filled, previous_seconds + time.time() - start
+                )
+                self.epoch, self.step = epoch, step + 1
+                self._save(checkpoint.LAST)
+                if stop:
+                    raise preemption.Preempted(f"stopped at epoch {epoch}, step {step + 1}")
         self.train_loader.raise_if_incomplete("train")
         self.average_buffers()
         if self.cfg.debug.check_sync_every:
             self._check_replicas_in_sync(self.global_step, include_buffers=True)
         if self.cfg.debug.sample_log_dir:
-            self._write_sample_log(epoch)
-        seconds = time.time() - start
+            self._write_sample_log(epoch, start_step)
+        seconds = time.time() - start + previous_seconds
         loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
         global_rate, filled = self.runtime.reduce_host_sum(
             f"train-epoch-{epoch}", [tracker.global_rate(), self.train_loader.filled]
         )
         count = int(count.item())
+        self.partial = None
+        self.step = self.steps_per_epoch
         return {
             "train_loss": loss_total.item() / max(count, 1),
             "train_samples": count,
-            "replica_steps": step + 1,
+            "replica_steps": self.steps_per_epoch,
             "train_seconds": seconds,
             "global_rate": global_rate,
-            "train_filled": int(filled),
+            "train_filled": int(filled) + previous_filled,
+            "lr": self.schedule(self.global_step - 1),
         }
 
-    def _write_sample_log(self, epoch: int) -> None:
+    def _write_sample_log(self, epoch: int, start_step: int) -> None:
         folder = self.cfg.debug.sample_log_dir
         os.makedirs(folder, exist_ok=True)
         ids = self.train_loader.sample_ids
+        suffix = f"-from{start_step:05d}" if start_step else ""
         np.save(
-            os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}.npy"),
+            os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}{suffix}.npy"),
             np.concatenate(ids) if ids else np.empty(0, np.int64),
         )
 
@@ -332,13 +469,16 @@ class Trainer:
             )
 
     @torch.no_grad()
-    def evaluate(self, epoch: int) -> dict[str, float]:
+    def evaluate(self, epoch: int, stoppable: bool = True) -> dict[str, float]:
         """Accuracy over the whole validation split, summed exactly over replicas."""
         self.model.eval()
         self.val_loader.loader.dataset.set_epoch(epoch)
-        correct, count, loss_sum = self._device_zeros(torch.int32, torch.int32, torch.float32)
+        correct, count, loss_sum = self._device_values(
+            (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
+        )
         start = time.time()
-        for batch in self.runtime.device_loader(self.val_loader):
+        check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
+        for index, batch in enumerate(self.runtime.device_loader(self.val_loader)):
             with torch.autocast(
                 self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.accelerator.bf16
             ):
@@ -349,6 +489,10 @@ class Trainer:
             loss_sum += (
                 F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
             ).sum()
+            if stoppable and (index + 1) % check_every == 0 and self._stop_agreed():
+                # The epoch's training is saved with it; evaluation reruns on resume.
+                self._save(checkpoint.LAST)
+                raise preemption.Preempted(f"stopped while evaluating epoch {epoch}")
         self.val_loader.raise_if_incomplete("validation")
         correct, count, loss_sum = self.runtime.all_reduce_sum([correct, count, loss_sum])
         (filled,) = self.runtime.reduce_host_sum(f"eval-epoch-{epoch}", [self.val_loader.filled])
@@ -367,7 +511,7 @@ class Trainer:
         improved = metrics["val_accuracy"] > self.best_accuracy
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
-        self.history.append({"epoch": epoch, **metrics})
+        self.history.append({"epoch": epoch, "wall_time": time.time(), **metrics})
         # Every replica computes the same reduced numbers; one line per epoch is enough.
         (log.info if self.runtime.is_master else log.debug)(
             "Epoch=%d train: loss=%.4f samples=%d (replica steps %d) skipped=%d GlobalRate=%.1f "
@@ -387,21 +531,27 @@ class Trainer:
             100 * self.best_accuracy,
             self.best_epoch,
         )
+        self.epoch, self.step = epoch + 1, 0
+        self.pending_train_metrics = None
         if improved:
-            checkpoint.save_checkpoint(
-                self.runtime, storage.join(self.output_dir, checkpoint.BEST), self.state(epoch)
-            )
-        checkpoint.save_checkpoint(
-            self.runtime, storage.join(self.output_dir, checkpoint.LAST), self.state(epoch)
-        )
-        checkpoint.write_metrics(self.runtime, self.output_dir, self.history)
+            self._save(checkpoint.BEST)
+        self._save(checkpoint.LAST)
+        if self.runtime.is_master:
+            self._write_run_file(checkpoint.write_metrics, self.history)
+
+    def _write_run_file(self, writer, content) -> None:
+        """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""
+        try:
+            writer(self.output_dir, content)
+        except StorageError as exc:
+            log.warning("could not update the run folder (%s); the checkpoints hold the same data", exc)
 
     def fit(self) -> dict[str, Any]:
         if self.cfg.eval_only:
-            metrics = self.evaluate(max(self.start_epoch - 1, 0))
+            metrics = self.evaluate(max(self.epoch - 1, 0), stoppable=False)
             log.info(
                 "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
-                self.start_epoch - 1,
+                self.epoch - 1,
                 100 * metrics["val_accuracy"],
                 metrics["val_correct"],
                 metrics["val_samples"],
@@ -409,12 +559,16 @@ class Trainer:
             )
             self.runtime.wait_device_ops()
             return {"eval": metrics}
-        if self.start_epoch >= self.cfg.epochs:
-            log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.start_epoch)
+        if self.runtime.is_master:
+            self._write_run_file(checkpoint.write_config, self.config_dict)
+        if self.epoch >= self.cfg.epochs:
+            log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.epoch)
         patience = self.cfg.early_stop_patience
-        for epoch in range(self.start_epoch, self.cfg.epochs):
-            metrics = self.train_epoch(epoch)
-            metrics.update(self.evaluate(epoch))
+        while self.epoch < self.cfg.epochs:
+            epoch = self.epoch
+            if self.step < self.steps_per_epoch:
+                self.pending_train_metrics = self.train_epoch(epoch)
+            metrics = {**self.pending_train_metrics, **self.evaluate(epoch)}
             metrics["compilations"] = self.runtime.compilations()
             self.on_epoch_end(epoch, metrics)
             # Every replica sees the same reduced accuracy, so all stop together.
@@ -422,4 +576,9 @@ class Trainer:
                 log.info("early stop: no better accuracy for %d epoch(s)", patience)
                 break
         self.runtime.wait_device_ops()
+        if self.unsaved:
+            raise StorageError(
+                f"{len(self.unsaved)} checkpoint(s) could not be written to {self.output_dir}; "
+                f"kept locally: {', '.join(self.unsaved)}"
+            )
         return {"best_accuracy": self.best_accuracy, "best_epoch": self.best_epoch, "history": self.history}

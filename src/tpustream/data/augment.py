@@ -22,18 +22,30 @@ def random_crop_flip(images: np.ndarray, padding: int, flip: bool, rng: np.rando
     RandomHorizontalFlip(), drawn independently per image.
     """
     batch, channels, height, width = images.shape
+    top, left, mirror = draw_crop_flip(rng, batch, padding, flip)
     if padding > 0:
         padded = np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
         windows = sliding_window_view(padded, (height, width), axis=(2, 3))
-        top = rng.integers(0, 2 * padding + 1, batch)
-        left = rng.integers(0, 2 * padding + 1, batch)
         out = windows[np.arange(batch), :, top, left]  # a copy: (B, C, H, W)
     else:
         out = images.copy()
     if flip:
-        mirror = rng.random(batch) < 0.5
         out[mirror] = out[mirror][..., ::-1]
     return out
+
+
+def draw_crop_flip(
+    rng: np.random.Generator, batch: int, padding: int, flip: bool
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The random draws of one batch's crop offsets and mirror flags.
+
+    Separate so that resuming mid-epoch can advance the generator past
+    skipped batches exactly as augmenting them would have.
+    """
+    top = rng.integers(0, 2 * padding + 1, batch) if padding > 0 else None
+    left = rng.integers(0, 2 * padding + 1, batch) if padding > 0 else None
+    mirror = rng.random(batch) < 0.5 if flip else None
+    return top, left, mirror
 
 
 class Normalizer:

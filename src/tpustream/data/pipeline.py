@@ -8,6 +8,7 @@ number of steps and no pod waits forever in an all-reduce.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tpustream import storage
-from tpustream.data.augment import random_crop_flip
+from tpustream.data.augment import draw_crop_flip, random_crop_flip
 from tpustream.data.decode import ImageDecoder, SampleError
 from tpustream.data.manifest import ShardManifest
 from tpustream.data.sharding import (
@@ -259,17 +260,36 @@ class ShardStream(IterableDataset):
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
+        self._skip = multiprocessing.RawValue("q", 0)
 
     @property
     def epoch(self) -> int:
         return self._epoch.value
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Select the epoch's shard order and random streams (before iterating)."""
         self._epoch.value = epoch
+        # Resuming mid-epoch: the first skip_batches batches of this epoch were
+        # trained on before the checkpoint; yield exactly the ones after them.
+        self._skip.value = skip_batches
+
+    def worker_role(self, worker: int, workers: int) -> tuple[int, int]:
+        """(the worker of the uninterrupted epoch this worker stands for, its batches to skip).
+
+        The DataLoader takes batches from its workers round-robin, starting
+        at worker 0, and the workers' counts differ by at most one (extra ones
+        go to the lowest workers), so batch b of an epoch comes from worker
+        b % workers. A pass resumed after `skip` batches starts at batch skip,
+        so DataLoader worker i plays worker (i + skip) % workers, which skips
+        the ones of its batches that came before.
+        """
+        skip = self._skip.value
+        role = (worker + skip) % workers
+        return role, max(0, -(-(skip - role) // workers))
 
     def __len__(self) -> int:
-        return self.layout.steps
+        """Batches of the current pass (an epoch, or what is left of it when resuming)."""
+        return self.layout.steps - self._skip.value
 
     def worker_spans(self, worker: int, workers: int) -> list[SampleSpan]:
         shards = order_shards(self.manifest.shards, self.seed, self.epoch, shuffle=self.train)
@@ -282,18 +302,25 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker, skip = self.worker_role(worker, workers)
         on_error = ErrorPolicy(self.on_error)
         samples = read_span_samples(self.worker_spans(worker, workers), on_error, self.shard_index)
         if self.train:
             samples = shuffle_samples(samples, self.shuffle_buffer, self._rng(worker, 1))
+        # Skipped samples are read and shuffled (the shuffle depends on them)
+        # but not decoded.
+        samples = itertools.islice(samples, skip * self.batch_size, None)
         decoded = decode_samples(samples, self.decoder, on_error)
         batches = batch_samples(
             decoded,
             self.batch_size,
-            worker_batches(self.layout.steps, worker, workers),
+            worker_batches(self.layout.steps, worker, workers) - skip,
             self.decoder.shape,
         )
         rng = self._rng(worker, 2) if self.train else None
+        if rng is not None:
+            for _ in range(skip):
+                draw_crop_flip(rng, self.batch_size, self.crop_padding, self.hflip)
         return augment_batches(batches, rng, self.crop_padding, self.hflip)
 
 
@@ -332,6 +359,20 @@ class CountingLoader:
                 yield batch
         except TpustreamError as exc:
             raise _unwrap_worker_error(exc) from exc
+
+    def close(self) -> None:
+        """Stop the DataLoader's persistent workers now.
+
+        They ignore SIGTERM (a preempted replica must outlive the signal), so
+        they must not be left to multiprocessing's exit handler, which
+        terminates daemon children with SIGTERM and then joins them forever.
+        DataLoader has no public close; its iterator's shutdown tells the
+        workers to leave their loop, joins them, and kills stragglers.
+        """
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader._iterator = None
 
     def raise_if_incomplete(self, split: str) -> None:
         if self.batches != len(self):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import logging
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -21,13 +21,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tpustream import storage
-from tpustream.checkpoint import METRICS, load_checkpoint, resolve_resume
+from tpustream.checkpoint import BEST, checkpoint_url, load_checkpoint, read_metrics, resolve_resume
 from tpustream.config import Collectives, Device, TrainConfig
 from tpustream.data.manifest import ShardManifest, load_manifest
 from tpustream.data.sharding import describe_sharing, plan_layout
 from tpustream.errors import ConfigError, TpustreamError
 from tpustream.logs import setup_replica_logging, setup_worker_logging
 from tpustream.models import check_model_options, create_model
+from tpustream.preemption import Preempted, install_stop_handlers
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def prepare(cfg: DictConfig) -> RunPlan:
     resume_url = resolve_resume(typed.resume, typed.output_dir)
     if typed.eval_only and resume_url is None:
         raise ConfigError(
-            f"eval_only needs a checkpoint: set resume=<url>, or have {typed.output_dir}/last.pt"
+            f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
         )
     return RunPlan(typed, plain, train, val, resume_url)
 
@@ -180,7 +181,7 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
     )
     try:
         xmp.spawn(replica_main, args=(plan,), nprocs=nprocs)
-    except TpustreamError:
+    except (TpustreamError, Preempted):
         raise
     except Exception as exc:  # a bug in a replica, or BrokenProcessPool: the replica logged why
         raise TpustreamError(
@@ -190,12 +191,21 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
 
 
 def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
-    url = storage.join(output_dir, METRICS)
-    if not storage.exists(url):
+    history = read_metrics(output_dir)
+    if not history:
         return None
-    history = json.loads(storage.read_bytes(url))
-    best = max(history, key=lambda m: m["val_accuracy"]) if history else None
-    return {"history": history, "best": best}
+    return {"history": history, "best": max(history, key=lambda m: m["val_accuracy"])}
+
+
+def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
+    """DataLoader worker_init_fn: logging, and no death by SIGTERM.
+
+    A preempted TPU VM sends SIGTERM to every process. Workers that died on it
+    would fail their replica before it could save; instead the replica
+    finishes its step, saves last.pt, and shuts its workers down itself.
+    """
+    setup_worker_logging(rank, world_size, worker_id)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
@@ -243,7 +253,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             val_stream.layout.steps,
             val_stream.layout.padded_samples,
         )
-    worker_logging = functools.partial(setup_worker_logging, runtime.rank, runtime.world_size)
+    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
     height, width = plan.train.image_size
     model = create_model(
         cfg.model.name,
@@ -252,32 +262,30 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         channels=plan.train.channels,
         **cfg.model.options,
     )
-    trainer = Trainer(
-        cfg,
-        plan.config_dict,
-        runtime,
-        model,
-        make_loader(
-            train_stream,
-            cfg.data.num_workers,
-            cfg.data.prefetch_factor,
-            worker_init_fn=worker_logging,
-            record_ids=bool(cfg.debug.sample_log_dir),
-        ),
-        make_loader(
-            val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_logging
-        ),
+    train_loader = make_loader(
+        train_stream,
+        cfg.data.num_workers,
+        cfg.data.prefetch_factor,
+        worker_init_fn=worker_init,
+        record_ids=bool(cfg.debug.sample_log_dir),
     )
-    if plan.resume_url:
-        trainer.restore(load_checkpoint(plan.resume_url))
-        log.info("resumed from %s at epoch %d", plan.resume_url, trainer.start_epoch)
-    summary = trainer.fit()
+    val_loader = make_loader(
+        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init
+    )
+    try:
+        trainer = Trainer(cfg, plan.config_dict, runtime, model, train_loader, val_loader)
+        if plan.resume_url:
+            trainer.restore(load_checkpoint(plan.resume_url), plan.resume_url)
+        summary = trainer.fit()
+    finally:
+        train_loader.close()
+        val_loader.close()
     if runtime.is_master and not cfg.eval_only:
         log.info(
             "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
             100 * summary["best_accuracy"],
             summary["best_epoch"],
-            storage.join(cfg.output_dir, "best.pt"),
+            checkpoint_url(cfg.output_dir, BEST),
         )
     return summary
 
@@ -290,8 +298,11 @@ def replica_main(index: int, plan: RunPlan) -> None:
 
     world = xr.world_size()
     setup_replica_logging(xr.global_ordinal(), world, plan.cfg.log_dir)
+    install_stop_handlers()  # effective only if this replica runs on its process's main thread
     try:
         run_replica(plan, XlaRuntime(plan.cfg.accelerator.compile_cache_dir))
+    except Preempted:
+        raise  # every replica stopped at the same step after the save: nobody waits for us
     except BaseException as exc:
         if not isinstance(exc, TpustreamError):
             # A bug, not bad input: keep the traceback, the parent only sees the type.
@@ -341,6 +352,8 @@ def spawn_simulated_pod(plan: RunPlan) -> None:
         # The replica logged its error; its last traceback line names it.
         last = str(exc).strip().splitlines()[-1]
         error, _, message = last.partition(": ")
+        if error == "tpustream.preemption.Preempted":
+            raise Preempted(message) from None
         if error.startswith("tpustream.errors."):
             raise TpustreamError(f"replica {exc.error_index}: {message}") from None
         raise TpustreamError(
@@ -357,11 +370,14 @@ def simulated_replica_main(rank: int, plan: RunPlan, world: int, init_method: st
     from tpustream.runtime import GlooRuntime
 
     setup_replica_logging(rank, world, plan.cfg.log_dir)
+    install_stop_handlers()
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
     )
     try:
         run_replica(plan, GlooRuntime(rank, world, plan.cfg.accelerator.compile_cache_dir))
+    except Preempted:
+        raise
     except TpustreamError as exc:
         log.error("replica %d failed: %s", rank, exc)
         raise

@@ -1,0 +1,130 @@
+"""Stop and resume on the XLA CPU device: the result equals a run that was never interrupted.
+
+Every run is `python train.py` in its own process with 2 DataLoader workers
+(the resumed epoch's batches must come from the right worker in the right
+order). Weights are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_train
+from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
+from tpustream.errors import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+STEPS_PER_EPOCH = 23  # ceil(1438 / 64)
+
+
+def common(root: str, out: str, hydra_dir: str) -> list[str]:
+    return [
+        f"data.root={root}",
+        f"output_dir={out}",
+        "epochs=4",
+        "data.num_workers=2",
+        f"hydra.run.dir={hydra_dir}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(digits_root, tmp_path_factory):
+    """4 epochs straight: the reference every interrupted run must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    result = run_train(*common(digits_root, str(out / "run"), str(out / "h")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return str(out / "run")
+
+
+def assert_same_run(run: str, reference: str) -> None:
+    got, want = (
+        load_checkpoint(checkpoint_url(run, "last.pt")),
+        load_checkpoint(checkpoint_url(reference, "last.pt")),
+    )
+    assert got["global_step"] == want["global_step"] == 4 * STEPS_PER_EPOCH
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"{name} differs"  # bitwise
+    for a, b in zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    for mine, theirs in zip(read_metrics(run), read_metrics(reference), strict=True):
+        for key in ("val_correct", "val_samples", "train_samples", "replica_steps", "epoch"):
+            assert mine[key] == theirs[key], key
+        # Reduction order differs once an epoch is split across two runs.
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "stop_at, position",
+    [
+        (2 * STEPS_PER_EPOCH, (1, STEPS_PER_EPOCH)),  # during epoch 1's evaluation
+        (2 * STEPS_PER_EPOCH + 11, (2, 11)),  # inside epoch 2
+    ],
+    ids=["epoch-boundary", "mid-epoch"],
+)
+def test_stop_and_resume_equals_uninterrupted(digits_root, uninterrupted, tmp_path, stop_at, position):
+    run = str(tmp_path / "run")
+    stopped = run_train(*common(digits_root, run, str(tmp_path / "h1")), f"debug.stop_at_step={stop_at}")
+    assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
+    saved = load_checkpoint(checkpoint_url(run, "last.pt"))
+    assert (saved["position"]["epoch"], saved["position"]["step"]) == position
+    assert saved["global_step"] == stop_at
+
+    resumed = run_train(*common(digits_root, run, str(tmp_path / "h2")))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        f"resumed from {checkpoint_url(run, 'last.pt')} at epoch {position[0]}, step {position[1]}"
+        in resumed.stderr
+    )
+    assert_same_run(run, uninterrupted)
+
+
+def test_sigterm_at_a_random_step_saves_and_resumes_to_the_same_result(digits_root, uninterrupted, tmp_path):
+    run = str(tmp_path / "run")
+    target = random.Random(os.getpid()).randrange(5, 3 * STEPS_PER_EPOCH)
+    command = [
+        sys.executable,
+        str(REPO / "train.py"),
+        *common(digits_root, run, str(tmp_path / "h1")),
+        "log_steps=1",
+    ]
+    # A new session, so the signal goes to the whole process group as on a preempted VM.
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    deadline = time.time() + 300
+    for line in process.stderr:
+        lines.append(line)
+        match = re.search(r"Epoch=(\d+) Step=(\d+) Loss", line)
+        if match and int(match.group(1)) * STEPS_PER_EPOCH + int(match.group(2)) >= target:
+            os.killpg(process.pid, signal.SIGTERM)
+            break
+        assert time.time() < deadline, "the run did not reach the target step"
+    lines.extend(process.stderr)
+    assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE, "".join(lines[-40:])
+    saved = load_checkpoint(checkpoint_url(run, "last.pt"))
+    assert saved["global_step"] >= target
+
+    resumed = run_train(*common(digits_root, run, str(tmp_path / "h2")))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(run, uninterrupted)
+
+
+def test_resume_on_a_different_data_plan_restarts_the_epoch(digits_root, tmp_path):
+    run = str(tmp_path / "run")
+    stopped = run_train(*common(digits_root, run, str(tmp_path / "h1")), "debug.stop_at_step=30", "epochs=2")
+    assert stopped.returncode == PREEMPTED_EXIT_CODE
+    resumed = run_train(*common(digits_root, run, str(tmp_path / "h2")), "epochs=2", "data.num_workers=0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "epoch 1 restarts from its first batch (the samples of its first 7 steps are seen again)"
+        in resumed.stderr
+    )
+    assert load_checkpoint(checkpoint_url(run, "last.pt"))["global_step"] == 2 * STEPS_PER_EPOCH
