@@ -1,0 +1,152 @@
+"""python -m tpustream.launch: run one command on every host of a Cloud TPU VM pod.
+
+    python -m tpustream.launch --tpu NAME --zone ZONE --sync -- \\
+        .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 ...
+
+This is the only place that turns errors into exit codes: a TpustreamError is
+one line on stderr and exit code 2; otherwise the exit code is 0 if every
+worker exited 0, else the first failing worker's (see tpustream.launch.pod).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError, TpustreamError
+from tpustream.launch.pod import DEFAULT_WORKDIR, LaunchSpec, dry_run_lines, launch_pod, parse_env
+
+EPILOG = f"""\
+The command after -- runs in WORKDIR on every host as
+  cd WORKDIR && env PJRT_DEVICE=TPU K=V ... COMMAND
+with every token quoted, so overrides arrive exactly as typed here (spaces, $,
+quotes, *, brace patterns such as gs://b/train-{{000000..000639}}.tar).
+
+--sync copies the git-tracked files of this checkout to WORKDIR on every host and
+installs them into WORKDIR/.venv (pip install -e '.[tpu]'): the command is then
+  .venv/bin/python train.py accelerator=tpu ...
+
+If a worker fails, the others are stopped and the training is killed on every host.
+--restart relaunches after exit {PREEMPTED_EXIT_CODE} (preempted, last.pt saved) or 255 (ssh connection
+lost) once the TPU VM is READY again; train.py resumes from last.pt (resume=auto).
+
+example:
+  python -m tpustream.launch --tpu tpustream --zone europe-west4-a --sync --restart -- \\
+      .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 \\
+      output_dir=gs://BUCKET/runs/cifar10-r50 model=resnet50
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes become ConfigError, reported like every other error: one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see python -m tpustream.launch --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m tpustream.launch",
+        usage="%(prog)s --tpu NAME --zone ZONE [options] -- COMMAND [ARG ...]",
+        description="Run COMMAND on every host of a Cloud TPU VM pod through gcloud, each output line "
+        "prefixed with its host ([worker I]).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tpu", required=True, metavar="NAME", help="TPU VM name")
+    parser.add_argument("--zone", required=True, metavar="ZONE", help="its zone, e.g. europe-west4-a")
+    parser.add_argument("--project", metavar="PROJECT", help="its project (default: gcloud's)")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="set on every host (repeatable)"
+    )
+    parser.add_argument(
+        "--workdir", default=DEFAULT_WORKDIR, help=f"folder on every host (default {DEFAULT_WORKDIR})"
+    )
+    parser.add_argument(
+        "--sync", action="store_true", help="copy this checkout to every host and pip install it first"
+    )
+    parser.add_argument(
+        "--source", type=Path, metavar="DIR", help="what --sync copies (default: this tpustream checkout)"
+    )
+    parser.add_argument(
+        "--restart", action="store_true", help=f"relaunch after exit {PREEMPTED_EXIT_CODE} or 255"
+    )
+    parser.add_argument("--max-restarts", type=int, default=3, metavar="N", help="default 3")
+    parser.add_argument(
+        "--num-workers", type=int, metavar="N", help="hosts of the TPU VM (default: from gcloud describe)"
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="after a worker fails, time the others get to end on their own (default 30)",
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="between describe calls while waiting for READY (default 30)",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="give up waiting for READY after this long (default 3600)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the gcloud commands, one per line, and run nothing"
+    )
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[LaunchSpec, bool]:
+    """The launch spec and whether this is a dry run; the command is everything after the first --."""
+    if "--" in argv:
+        split = argv.index("--")
+        options, command = argv[:split], argv[split + 1 :]
+    else:
+        options, command = argv, []
+    args = build_parser().parse_args(options)
+    if not command:
+        raise ConfigError("no command: put it after --, e.g. -- .venv/bin/python train.py accelerator=tpu")
+    spec = LaunchSpec(
+        tpu=args.tpu,
+        zone=args.zone,
+        project=args.project,
+        command=tuple(command),
+        env=parse_env(args.env),
+        workdir=args.workdir,
+        sync=args.sync,
+        source=args.source,
+        restart=args.restart,
+        max_restarts=args.max_restarts,
+        num_workers=args.num_workers,
+        grace=args.grace,
+        poll_interval=args.poll_interval,
+        ready_timeout=args.ready_timeout,
+    )
+    return spec, args.dry_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        spec, dry_run = parse_args(sys.argv[1:] if argv is None else argv)
+        if dry_run:
+            print("\n".join(dry_run_lines(spec)), flush=True)
+            return 0
+        return launch_pod(spec)
+    except TpustreamError as exc:
+        print(f"python -m tpustream.launch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("python -m tpustream.launch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,588 @@
+"""python -m tpustream.launch against a stub gcloud that runs the "remote" commands here with bash.
+
+The stub records its argv, answers describe from a script (states in order,
+N network endpoints), and for ``ssh --worker=I --command=CMD`` runs CMD with
+``bash -c`` in a new session, as sshd would on the host, then exits with the
+code scripted for that worker and attempt (255 = connection lost: CMD is not
+run). So quoting, output prefixes, cleanup and restarts are tested for real;
+only gcloud itself is simulated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.launch import pod
+from tpustream.launch.__main__ import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+STUB = r'''#!{python}
+"""A stand-in for gcloud compute tpus tpu-vm (describe, ssh, scp, create)."""
+import json, os, shutil, subprocess, sys, threading
+
+LOG = os.environ["GCLOUD_STUB_LOG"]
+with open(os.environ["GCLOUD_STUB_SCRIPT"]) as f:
+    SCRIPT = json.load(f)
+args = sys.argv[1:]
+fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+os.write(fd, (json.dumps(args) + "\n").encode())
+os.close(fd)
+with open(LOG) as f:
+    calls = [json.loads(line) for line in f]
+
+
+def flag(name):
+    return next((a.split("=", 1)[1] for a in args if a.startswith(f"--{{name}}=")), None)
+
+
+def run_here(command, env):
+    """Like sshd: the user's shell runs the command in its own session; output is relayed."""
+    child = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, env={{**os.environ, **env}})
+    def copy(src, dst):
+        for line in iter(src.readline, b""):
+            dst.write(line)
+            dst.flush()
+    threads = [threading.Thread(target=copy, args=(child.stdout, sys.stdout.buffer)),
+               threading.Thread(target=copy, args=(child.stderr, sys.stderr.buffer))]
+    for t in threads:
+        t.start()
+    code = child.wait()
+    for t in threads:
+        t.join()
+    return 128 - code if code < 0 else code
+
+
+verb = args[3] if args[:3] == ["compute", "tpus", "tpu-vm"] and len(args) > 3 else None
+if verb == "describe":
+    if SCRIPT.get("describe_error"):
+        print("ERROR: (gcloud.compute.tpus.tpu-vm.describe) " + SCRIPT["describe_error"], file=sys.stderr)
+        sys.exit(1)
+    states = SCRIPT.get("states", ["READY"])
+    index = sum(1 for c in calls if c[3:4] == ["describe"]) - 1
+    endpoints = [{{"ipAddress": f"10.0.0.{{i}}", "port": 8470}} for i in range(SCRIPT.get("workers", 1))]
+    print(json.dumps({{"name": args[4], "state": states[min(index, len(states) - 1)],
+                      "acceleratorType": "v3-32", "networkEndpoints": endpoints}}))
+elif verb == "ssh":
+    worker, command = flag("worker"), flag("command")
+    if worker == "all":
+        sys.exit(run_here(command, {{}}) if SCRIPT.get("run_all", True) else 0)
+    attempt = sum(1 for c in calls if c[3:4] == ["ssh"] and f"--worker={{worker}}" in c
+                  and f"--command={{command}}" in c) - 1
+    planned = SCRIPT.get("ssh", {{}}).get(worker, []) if command != "true" else []  # not for the ssh check
+    code = planned[attempt] if attempt < len(planned) else None
+    if code == 255:
+        print(f"ssh: connect to host 10.0.0.{{worker}} port 22: Connection timed out", file=sys.stderr)
+        sys.exit(255)
+    result = run_here(command, {{"STUB_WORKER": worker, "STUB_ATTEMPT": str(attempt)}})
+    sys.exit(result if code is None else code)
+elif verb == "scp":
+    source, dest = args[4], args[5]
+    if SCRIPT.get("scp_copy"):
+        shutil.copy(source, dest.split(":", 1)[1])
+elif verb == "create":
+    spec = flag("metadata-from-file")
+    if spec and spec.startswith("startup-script="):
+        shutil.copy(spec.split("=", 1)[1], LOG + ".startup-script")
+'''
+
+FAKE_TRAIN = r'''
+"""Stands for train.py on one host: reports what arrived, hangs if told to."""
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+worker = os.environ.get("STUB_WORKER", "?")
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pjrt": os.environ.get("PJRT_DEVICE"),
+                  "extra": os.environ.get("EXTRA")}), flush=True)
+print(f"replica log of worker {worker}", file=sys.stderr, flush=True)
+if os.environ.get("FAKE_PID_DIR"):
+    Path(os.environ["FAKE_PID_DIR"], f"{worker}.pid").write_text(str(os.getpid()))
+if worker in os.environ.get("FAKE_SLOW", "").split(","):
+    time.sleep(0.3)
+if worker in os.environ.get("FAKE_HANG", "").split(","):
+    # A replica process (its command line does not name this script) and this process
+    # wait in a collective for a host that is gone.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    Path(os.environ["FAKE_PID_DIR"], f"{worker}.child").write_text(str(child.pid))
+    time.sleep(30)
+deadline = time.time() + 5  # FAKE_WAIT_PIDS: end only once that many workers have started
+wanted = int(os.environ.get("FAKE_WAIT_PIDS", 0))
+while len(list(Path(os.environ.get("FAKE_PID_DIR", ".")).glob("*.pid"))) < wanted and time.time() < deadline:
+    time.sleep(0.02)
+'''
+
+# Each reaches train.py unchanged only if every shell-special character is quoted.
+OVERRIDES = [
+    "optim.name=a b",
+    "home=$HOME",
+    "cmd=$(echo no)`echo no`",
+    "say=\"double\" and 'single'",
+    "glob=*",
+    "data.train_shards=gs://b/x/train-{000000..000639}.tar",
+    "k=v=w",
+    "semi=a;b&&c|d>e",
+    "tab=a\tb",
+    "unicode=é",
+]
+
+
+class Gcloud:
+    """The stub on PATH: set what it answers, read what it was asked."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self.log = tmp_path / "gcloud-calls.jsonl"
+        self.script_path = tmp_path / "gcloud-script.json"
+        stub = self.bin / "gcloud"
+        stub.write_text(STUB.format(python=sys.executable))
+        stub.chmod(0o755)
+        self.script(workers=2)
+        monkeypatch.setenv("PATH", f"{self.bin}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.setenv("GCLOUD_STUB_LOG", str(self.log))
+        monkeypatch.setenv("GCLOUD_STUB_SCRIPT", str(self.script_path))
+
+    def script(self, **answers) -> None:
+        self.script_path.write_text(json.dumps(answers))
+
+    def calls(self, verb: str | None = None) -> list[list[str]]:
+        if not self.log.exists():
+            return []
+        calls = [json.loads(line) for line in self.log.read_text().splitlines()]
+        return [c for c in calls if verb is None or c[3] == verb]
+
+    def worker_runs(self, worker: int) -> list[list[str]]:
+        """ssh calls that ran the training command on one worker (not the ssh check)."""
+        return [c for c in self.calls("ssh") if f"--worker={worker}" in c and "--command=true" not in c]
+
+
+@pytest.fixture
+def gcloud(tmp_path, monkeypatch) -> Gcloud:
+    return Gcloud(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def fake_train(tmp_path) -> Path:
+    path = tmp_path / "fake_train.py"
+    path.write_text(FAKE_TRAIN)
+    return path
+
+
+def launch(tmp_path: Path, *options: str, command: list[str]) -> int:
+    """main() with a workdir in tmp_path and short waits."""
+    (tmp_path / "remote").mkdir(exist_ok=True)
+    return main(
+        [
+            "--tpu",
+            "tpu1",
+            "--zone",
+            "europe-west4-a",
+            "--workdir",
+            str(tmp_path / "remote"),
+            "--poll-interval",
+            "0.01",
+            "--grace",
+            "0",
+            *options,
+            "--",
+            *command,
+        ]
+    )
+
+
+def reports(out: str) -> dict[str, dict]:
+    """The fake train.py's JSON line of each worker, by prefix."""
+    found = {}
+    for line in out.splitlines():
+        match = re.match(r"(\[worker \d+\]) (\{.*\})$", line)
+        if match:
+            found[match.group(1)] = json.loads(match.group(2))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def spec(**changes) -> pod.LaunchSpec:
+    values = {"tpu": "tpu1", "zone": "europe-west4-a", "command": (".venv/bin/python", "train.py")}
+    return pod.LaunchSpec(**{**values, **changes})
+
+
+# --- command construction -------------------------------------------------------------
+
+
+def test_remote_command_quotes_every_token_and_keeps_the_home_tilde():
+    s = spec(command=(".venv/bin/python", "train.py", *OVERRIDES), env=(("MSG", "a $b c"),))
+    remote = pod.remote_run_command(s)
+    assert remote.startswith("cd ~/tpustream && env PJRT_DEVICE=TPU 'MSG=a $b c' .venv/bin/python train.py ")
+    assert shlex.split(remote) == [
+        "cd", "~/tpustream", "&&", "env", "PJRT_DEVICE=TPU", "MSG=a $b c", ".venv/bin/python", "train.py",
+        *OVERRIDES,
+    ]  # fmt: skip
+    assert pod.shell_path("~/runs/my dir") == "~/'runs/my dir'"
+    assert pod.shell_path("~") == pod.shell_path("~/") == "~"
+    assert pod.shell_path("/opt/a b") == "'/opt/a b'"
+
+
+def test_gcloud_commands_name_the_tpu_zone_project_and_worker():
+    s = spec(project="my-proj")
+    remote = pod.remote_run_command(s)
+    assert pod.worker_commands(s, 2) == [
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tpu1", f"--worker={w}", f"--command={remote}",
+         "--zone=europe-west4-a", "--project=my-proj"]
+        for w in (0, 1)
+    ]  # fmt: skip
+    assert pod.describe_command(spec()) == [
+        "gcloud", "compute", "tpus", "tpu-vm", "describe", "tpu1", "--format=json", "--zone=europe-west4-a",
+    ]  # fmt: skip
+    cleanup = pod.cleanup_command(s)
+    assert cleanup[5:7] == ["tpu1", "--worker=all"] and "pgrep -f" in cleanup[7]
+
+
+def test_process_pattern_matches_the_command_line_literally():
+    pattern = pod.process_pattern([".venv/bin/python", "train.py", "epochs=3"])
+    assert pattern == r"\.venv/bin/python train\.py"
+    assert re.search(pattern, "/home/u/tpustream/.venv/bin/python train.py epochs=3")
+    assert not re.search(pattern, "xvenv/bin/python trainxpy")
+    assert pod.process_tokens(["python", "-u", "-m", "pkg.mod", "a"]) == ["python", "-u", "-m", "pkg.mod"]
+
+
+# --- runs through the stub gcloud --------------------------------------------------------
+
+
+def test_overrides_arrive_unchanged_on_every_worker_with_prefixed_lines(gcloud, fake_train, tmp_path, capfd):
+    code = launch(tmp_path, "--env", "EXTRA=x $y 'z'", command=[sys.executable, str(fake_train), *OVERRIDES])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    got = reports(out)
+    assert set(got) == {"[worker 0]", "[worker 1]"}
+    for report in got.values():
+        assert report == {
+            "argv": OVERRIDES,
+            "cwd": str(tmp_path / "remote"),
+            "pjrt": "TPU",
+            "extra": "x $y 'z'",
+        }
+    assert "[worker 0] replica log of worker 0" in err and "[worker 1] replica log of worker 1" in err
+    assert len(gcloud.calls("describe")) == 1 and len(gcloud.worker_runs(1)) == 1
+
+
+def test_python_c_prints_its_arguments_exactly(gcloud, tmp_path, capfd):
+    code = launch(
+        tmp_path,
+        "--num-workers",
+        "1",
+        command=[sys.executable, "-c", "import sys,json; print(json.dumps(sys.argv[1:]))", *OVERRIDES],
+    )
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    assert f"[worker 0] {json.dumps(OVERRIDES)}" in out.splitlines()
+    assert gcloud.calls("describe") == []  # --num-workers skips describe
+
+
+def test_default_workdir_is_in_the_remote_home(gcloud, fake_train, tmp_path, monkeypatch, capfd):
+    home = tmp_path / "home"
+    (home / "tpustream").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    code = main(["--tpu", "t", "--zone", "z", "--num-workers", "1", "--", sys.executable, str(fake_train)])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    assert reports(out)["[worker 0]"]["cwd"] == str(home / "tpustream")
+
+
+def test_a_failed_worker_stops_the_others_and_kills_the_training_everywhere(
+    gcloud, fake_train, tmp_path, monkeypatch, capfd
+):
+    gcloud.script(workers=3, ssh={"1": [1]})
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("FAKE_PID_DIR", str(pids))
+    monkeypatch.setenv("FAKE_HANG", "0,2")
+    monkeypatch.setenv("FAKE_WAIT_PIDS", "3")  # worker 1 fails once all three run
+    started = time.monotonic()
+    code = launch(tmp_path, "--restart", command=[sys.executable, str(fake_train), "epochs=3"])
+    elapsed = time.monotonic() - started
+    out, err = capfd.readouterr()
+    assert code == 1
+    assert "worker 1 exited with 1; worker(s) 0, 2 stopped by the launcher" in err
+    cleanups = [c for c in gcloud.calls("ssh") if "--worker=all" in c]
+    pattern = pod.process_pattern([sys.executable, str(fake_train)])
+    assert len(cleanups) == 1 and f"pattern={shlex.quote(pattern)};" in cleanups[0][6]
+    assert re.search(r"^\[cleanup\] .*: stopping process group\(s\) \d+ \d+$", out, re.M)
+    hung = [int((pids / f"{w}.{kind}").read_text()) for w in ("0", "2") for kind in ("pid", "child")]
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in hung) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in hung)  # the cleanup killed them; the local stop alone would not
+    assert len(gcloud.worker_runs(0)) == 1  # exit 1 is not restarted
+    assert elapsed < 10
+
+
+def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, monkeypatch, capfd):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("FAKE_PID_DIR", str(pids))
+    monkeypatch.setenv("FAKE_HANG", "0,1")
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 10
+        while len(list(pids.glob("*.child"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    code = launch(tmp_path, "--restart", command=[sys.executable, str(fake_train)])
+    _, err = capfd.readouterr()
+    assert code == 130
+    assert "interrupted (Ctrl-C); worker(s) 0, 1 stopped by the launcher" in err
+    hung = [int(p.read_text()) for p in pids.iterdir()]
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in hung) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(hung) == 4 and not any(alive(pid) for pid in hung)
+
+
+def test_after_a_failure_the_others_get_the_grace_period_to_end_on_their_own(
+    gcloud, fake_train, tmp_path, monkeypatch, capfd
+):
+    gcloud.script(workers=2, ssh={"0": [PREEMPTED_EXIT_CODE], "1": [PREEMPTED_EXIT_CODE]})
+    monkeypatch.setenv("FAKE_SLOW", "1")  # worker 1 saves for a while, then exits 75 too
+    code = launch(tmp_path, "--grace", "10", command=[sys.executable, str(fake_train)])
+    _, err = capfd.readouterr()
+    assert code == PREEMPTED_EXIT_CODE
+    assert "the other workers get 10s to end on their own" in err
+    assert (
+        "worker 0 exited with 75; worker 1 exited with 75\n" in err and "stopped by the launcher" not in err
+    )
+
+
+@pytest.mark.parametrize(
+    "codes, reason",
+    [
+        ({"0": [PREEMPTED_EXIT_CODE], "1": [PREEMPTED_EXIT_CODE]}, r"worker \d exited with 75 \(preempted"),
+        ({"1": [255]}, r"worker 1 exited with 255 \(ssh connection lost\)"),
+    ],
+    ids=["preempted-75", "connection-lost-255"],
+)
+def test_restart_after_preemption_or_lost_connection_once_ready(
+    gcloud, fake_train, tmp_path, capfd, codes, reason
+):
+    gcloud.script(workers=2, ssh=codes, states=["READY", "RESTARTING", "READY"])
+    # With a grace period the other worker ends by itself, so every attempt reaches both workers.
+    code = launch(tmp_path, "--restart", "--grace", "10", command=[sys.executable, str(fake_train)])
+    _, err = capfd.readouterr()
+    assert code == 0, err
+    assert re.search(f"restart 1 of 3: {reason}", err)
+    assert "TPU tpu1 is RESTARTING; checking again" in err
+    assert len(gcloud.calls("describe")) == 3
+    assert [len(gcloud.worker_runs(w)) for w in (0, 1)] == [2, 2]
+
+
+def test_restart_stops_after_max_restarts(gcloud, fake_train, tmp_path, capfd):
+    gcloud.script(workers=2, ssh={"0": [PREEMPTED_EXIT_CODE] * 5, "1": [PREEMPTED_EXIT_CODE] * 5})
+    code = launch(
+        tmp_path,
+        "--restart",
+        "--grace",
+        "10",
+        "--max-restarts",
+        "2",
+        command=[sys.executable, str(fake_train)],
+    )
+    _, err = capfd.readouterr()
+    assert code == PREEMPTED_EXIT_CODE
+    assert "restart 2 of 2" in err and "restart(s) of --max-restarts are used up" in err
+    assert [len(gcloud.worker_runs(w)) for w in (0, 1)] == [3, 3]
+
+
+def test_no_restart_without_the_flag_or_on_a_tpu_that_cannot_come_back(gcloud, fake_train, tmp_path, capfd):
+    gcloud.script(workers=1, ssh={"0": [PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE]})
+    assert launch(tmp_path, command=[sys.executable, str(fake_train)]) == PREEMPTED_EXIT_CODE
+    assert "--restart would relaunch" in capfd.readouterr().err
+    # The log counts on: the next run of worker 0 is its attempt 1, the next describe the second.
+    gcloud.script(workers=1, ssh={"0": [0, PREEMPTED_EXIT_CODE]}, states=["READY", "READY", "PREEMPTED"])
+    assert launch(tmp_path, "--restart", command=[sys.executable, str(fake_train)]) == 2
+    err = capfd.readouterr().err
+    assert "error: TPU tpu1 is PREEMPTED: a preemptible or spot TPU VM does not come back" in err
+
+
+def test_dry_run_prints_the_commands_and_runs_nothing(gcloud, tmp_path, capsys):
+    argv = ["--tpu", "tpu1", "--zone", "z", "--project", "p", "--num-workers", "2", "--dry-run"]
+    assert main([*argv, "--", ".venv/bin/python", "train.py", "x=a b"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    s = spec(zone="z", project="p", command=(".venv/bin/python", "train.py", "x=a b"))
+    expected = [pod.preflight_command(s), *pod.worker_commands(s, 2), pod.cleanup_command(s)]
+    assert [shlex.split(line) for line in lines] == expected
+    assert gcloud.calls() == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--env", "NOEQUALS", "--", "x"], "--env 'NOEQUALS': expected NAME=VALUE"),
+        (["--env", "1X=2", "--", "x"], "--env '1X=2'"),
+        (["--env", "A-B=1", "--", "x"], "--env 'A-B=1'"),
+        (["--env", "=v", "--", "x"], "--env '=v'"),
+        ([], "no command: put it after --"),
+        (["--"], "no command: put it after --"),
+        (["--max-restarts", "-1", "--", "x"], "--max-restarts must be >= 0"),
+        (["--bogus", "--", "x"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(gcloud, capsys, argv, message):
+    assert main(["--tpu", "t", "--zone", "z", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and err.count("\n") == 1
+    assert gcloud.calls() == []
+
+
+def test_gcloud_missing_or_describe_failing_is_one_line_and_exit_2(gcloud, tmp_path, monkeypatch, capsys):
+    gcloud.script(describe_error="NOT_FOUND: Resource 'projects/p/locations/z/nodes/t' was not found")
+    assert main(["--tpu", "t", "--zone", "z", "--", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "gcloud describe t in z failed: ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND" in err
+    assert err.count("\n") == 1
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(["--tpu", "t", "--zone", "z", "--", "x"]) == 2
+    assert "gcloud not found on PATH" in capsys.readouterr().err
+
+
+def test_sync_ships_the_checkout_and_installs_it_on_every_worker(gcloud, tmp_path, monkeypatch, capfd):
+    gcloud.script(workers=2, scp_copy=True)
+    # python3 on the "hosts": `-m venv .venv` makes a .venv/bin/pip that records its arguments.
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    pip_log = tmp_path / "pip.log"
+    (shims / "pip").write_text(f'#!/bin/bash\necho "$PWD $*" >> {shlex.quote(str(pip_log))}\n')
+    (shims / "python3").write_text(
+        f'#!/bin/bash\n[ "$1 $2" = "-m venv" ] || exit 3\nmkdir -p "$3/bin" && cp {shims}/pip "$3/bin/pip"\n'
+    )
+    for shim in ("pip", "python3"):
+        (shims / shim).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{gcloud.bin}{os.pathsep}{shims}{os.pathsep}{os.environ['PATH']}")
+    code = launch(
+        tmp_path,
+        "--sync",
+        command=[sys.executable, "-c", "print('hi')"],
+    )
+    _, err = capfd.readouterr()
+    assert code == 0, err
+    (scp,) = gcloud.calls("scp")
+    assert scp[6:] == ["--worker=all", "--zone=europe-west4-a"] and scp[5].startswith(
+        "tpu1:/tmp/tpustream-src-"
+    )
+    install = [c for c in gcloud.calls("ssh") if "--worker=all" in c]
+    assert (
+        len(install) == 1
+        and "python3 -m venv .venv && .venv/bin/pip install --quiet -e '.[tpu]'" in install[0][6]
+    )
+    run = spec(workdir=str(tmp_path / "remote"), command=(sys.executable, "-c", "print('hi')"))
+    runs = sorted(gcloud.calls("ssh")[-2:])  # the two workers start concurrently
+    assert runs == [argv[1:] for argv in pod.worker_commands(run, 2)]
+    remote = tmp_path / "remote"
+    assert pip_log.read_text() == f"{remote} install --quiet -e .[tpu]\n"
+    tracked = set(pod.source_files(REPO))
+    shipped = {
+        str(p.relative_to(remote)) for p in remote.rglob("*") if p.is_file() and ".venv" not in p.parts
+    }
+    assert shipped == tracked
+    assert {"train.py", "pyproject.toml", "conf/config.yaml", "src/tpustream/errors.py"} <= shipped
+    assert not Path(scp[5].split(":", 1)[1]).exists()  # the install step removed the tarball
+
+
+def test_sync_without_git_ships_the_sources_not_venvs_or_outputs(tmp_path):
+    root = tmp_path / "checkout"
+    for name in (
+        "train.py",
+        "pyproject.toml",
+        "conf/config.yaml",
+        "src/pkg/data/a.py",
+        ".venv/bin/python",
+        "outputs/run/x.log",
+        "data/big.tar",
+        "src/pkg/__pycache__/a.pyc",
+        "src/pkg.egg-info/PKG-INFO",
+    ):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x")  # fmt: skip
+    files = pod.source_files(root)
+    assert files == ["conf/config.yaml", "pyproject.toml", "src/pkg/data/a.py", "train.py"]
+    pod.build_tarball(root, files, tmp_path / "src.tar.gz")
+    with tarfile.open(tmp_path / "src.tar.gz") as tar:
+        assert sorted(tar.getnames()) == files and {m.uname for m in tar.getmembers()} == {""}
+
+
+def test_help_works_without_importing_torch():
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tpustream.launch", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 0 and "--max-restarts" in done.stdout and "--sync" in done.stdout
+    assert " torch\n" not in done.stderr and "omegaconf" not in done.stderr
+
+
+# --- scripts/create_tpu_pod.sh ----------------------------------------------------
+
+
+def test_create_tpu_pod_script(gcloud, tmp_path, capfd):
+    script = str(REPO / "scripts" / "create_tpu_pod.sh")
+    done = subprocess.run(["bash", script, "tpu1", "europe-west4-a", "--project", "my-proj", "--preemptible"])
+    assert done.returncode == 0
+    (create,) = gcloud.calls()
+    startup_path = create[8].split("=", 2)[2]
+    assert create == [
+        "compute", "tpus", "tpu-vm", "create", "tpu1", "--zone=europe-west4-a", "--accelerator-type=v3-32",
+        "--version=tpu-ubuntu2204-base", f"--metadata-from-file=startup-script={startup_path}",
+        "--project=my-proj", "--preemptible",
+    ]  # fmt: skip
+    assert not Path(startup_path).exists()  # the temporary file is removed
+    startup = Path(f"{gcloud.log}.startup-script").read_text()
+    assert startup.startswith("#!/bin/bash\n") and "apt-get" in startup
+    assert re.search(r"install -y .*python3-venv", startup)
+    assert os.path.dirname(pod.STARTUP_MARKER) in startup and os.path.basename(pod.STARTUP_MARKER) in startup
+
+    # The start-up script itself, with fake dpkg/apt-get and the marker in tmp_path.
+    fakes, markers, apt_log = tmp_path / "fakes", tmp_path / "markers", tmp_path / "apt.log"
+    fakes.mkdir()
+    for name, body in {"dpkg": "exit 1", "apt-get": f'echo "$*" >> {shlex.quote(str(apt_log))}'}.items():
+        (fakes / name).write_text(f"#!/bin/bash\n{body}\n")
+        (fakes / name).chmod(0o755)
+    runnable = tmp_path / "startup.sh"
+    runnable.write_text(startup.replace(os.path.dirname(pod.STARTUP_MARKER), str(markers)))
+    env = {**os.environ, "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}"}
+    assert subprocess.run(["bash", str(runnable)], env=env).returncode == 0
+    assert "install -y -q python3-venv python3-pip" in apt_log.read_text()
+    assert (markers / "startup-done").read_text() == "0\n"
+
+    done = subprocess.run(
+        ["bash", script, "tpu2", "us-central1-a", "v4-32", "--dry-run"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and len(gcloud.calls()) == 1  # printed, not run
+    assert done.stdout.startswith(
+        "gcloud compute tpus tpu-vm create tpu2 --zone=us-central1-a --accelerator-type=v4-32"
+    )
+    for bad in (["only-a-name"], ["a", "b", "c", "d", "e"], ["a", "b", "--spot"], ["a", "b", "--project"]):
+        done = subprocess.run(["bash", script, *bad], capture_output=True, text=True)
+        assert done.returncode == 2 and "usage: scripts/create_tpu_pod.sh NAME ZONE" in done.stderr, bad
+    assert len(gcloud.calls()) == 1
