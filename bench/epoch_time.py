@@ -277,7 +277,9 @@ def check_with_hydra(runs: Sequence[RunSpec]) -> Any:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for run in runs:
-            overrides = tuple(o for o in run.overrides if not override_key(o).startswith("hydra."))
+            overrides = tuple(
+                o for o in run.overrides if not override_key(o).startswith(("hydra.", "hydra/"))
+            )
             if overrides in seen:
                 continue
             seen.add(overrides)
