@@ -2,9 +2,9 @@
 
 Reproduce (from the repository root):
 
-    # the committed CPU results (small_cnn on digits; about 15 minutes on 2 cores)
+    # the CPU sweep of bench/EPOCH_TIME.md (small_cnn on digits; about 15 minutes on 2 cores)
     python scripts/make_shards.py digits data/digits
-    .venv/bin/python bench/epoch_time.py --batch-sizes 32 64 128 256 --epochs 5 --cold-warm 128
+    .venv/bin/python bench/epoch_time.py --batch-sizes 32 64 128 256 --epochs 4 --cold-warm 128
     # the seed experiment on one TPU VM host (see bench/EPOCH_TIME.md for the full command)
     python bench/epoch_time.py --batch-sizes 8 16 32 64 128 256 512 --epochs 5 -- \\
         model=wrn_seed data=cifar100 data.root=gs://BUCKET/cifar100 accelerator=tpu precision=bf16
@@ -73,6 +73,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shlex
 import shutil
@@ -288,9 +289,12 @@ def check_with_hydra(runs: Sequence[RunSpec]) -> Any:
                     config_name="config", overrides=["output_dir=/unused", "log_dir=null", *overrides]
                 )
             except Exception as exc:  # Hydra raises several types; all mean "train.py would refuse"
+                missing = re.search(r"Could not override '([^']+)'", str(exc))
+                owners = [s for s in SWITCHES.values() if missing and missing[1] in s.keys]
                 hint = (
-                    "; to sweep without a switch whose key this checkout lacks, leave it out of --switches"
-                    if "Could not override" in str(exc)
+                    f"; this checkout has no {missing[1]}: leave the switch {owners[0].name!r} "
+                    "out of --switches to sweep without it"
+                    if owners
                     else ""
                 )
                 raise SystemExit(

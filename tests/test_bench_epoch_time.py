@@ -308,3 +308,12 @@ def test_a_failed_run_is_reported_with_its_command_and_stderr(tmp_path):
         (row,) = csv.DictReader(f)
     assert row["status"].startswith("failed: exit code") and row["setup_s"] == ""
     assert "## Failed runs" in (out / "table.md").read_text()
+
+
+def test_every_run_is_composed_with_hydra_before_anything_runs():
+    cache = epoch_time.cache_key()  # the key of this checkout: xla_cache_dir, or its older name
+    plan = epoch_time.build_plan([8], ["workers", "augmentation"], epochs=1, cache=cache)
+    assert epoch_time.default_name(epoch_time.check_with_hydra(plan)) == "small_cnn-digits-cpu"
+    typo = epoch_time.build_plan([8], ["workers"], epochs=1, extra=["optim.lrr=0.1"], cache=cache)
+    with pytest.raises(SystemExit, match="train.py would refuse run bs8-baseline .*optim.lrr"):
+        epoch_time.check_with_hydra(typo)
