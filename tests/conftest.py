@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.fault_proxy import FaultProxy
 from tpustream import storage
 from tpustream.data.make_shards import main as make_shards_main
 from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
@@ -29,6 +31,18 @@ def gcs_emulator():
     """fake-gcs-server on 127.0.0.1 for the whole session; STORAGE_EMULATOR_HOST is set."""
     with GcsEmulator() as emulator:
         yield emulator
+
+
+@pytest.fixture
+def faulty_gcs():
+    """A fresh emulator behind a fault-injecting proxy, with bucket gs://faulty; yields the proxy."""
+    emulator = GcsEmulator()
+    proxy = FaultProxy(emulator.port, fault_rate=0.0, seed=1).start()
+    emulator.public_url = proxy.url
+    with emulator:
+        storage.gcs_client().create_bucket("faulty")
+        yield proxy
+    proxy.stop()
 
 
 @pytest.fixture
@@ -124,12 +138,23 @@ def numbered_samples(start: int, count: int, size: int = 8) -> list[tuple[str, d
     ]
 
 
+# One persistent XLA compilation cache for every train.py the tests start: each
+# graph compiles once per session instead of once per run (XLA:CPU compiles
+# take seconds and dominate short runs).
+XLA_CACHE = Path(tempfile.gettempdir()) / f"tpustream-tests-xla-cache-{os.getuid()}"
+
+
+def train_command(*overrides: str, compile_cache: bool = True) -> list[str]:
+    cache = [f"accelerator.compile_cache_dir={XLA_CACHE}"] if compile_cache else []
+    return [sys.executable, str(REPO / "train.py"), *cache, *overrides]
+
+
 def run_train(
-    *overrides: str, env: dict[str, str] | None = None, timeout: int = 600
+    *overrides: str, env: dict[str, str] | None = None, timeout: int = 600, compile_cache: bool = True
 ) -> subprocess.CompletedProcess:
     """Run train.py in a fresh process (XLA tests must not share a process with eager backward)."""
     return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides],
+        train_command(*overrides, compile_cache=compile_cache),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -12,13 +12,12 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, run_train, train_command
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -65,7 +64,8 @@ def assert_same_run(run: str, reference: str) -> None:
 @pytest.mark.parametrize(
     "stop_at, position",
     [
-        (2 * STEPS_PER_EPOCH, (1, STEPS_PER_EPOCH)),  # during epoch 1's evaluation
+        # 2 epochs + stop + 2 more: the stop comes during epoch 1's evaluation
+        (2 * STEPS_PER_EPOCH, (1, STEPS_PER_EPOCH)),
         (2 * STEPS_PER_EPOCH + 11, (2, 11)),  # inside epoch 2
     ],
     ids=["epoch-boundary", "mid-epoch"],
@@ -90,12 +90,7 @@ def test_stop_and_resume_equals_uninterrupted(digits_root, uninterrupted, tmp_pa
 def test_sigterm_at_a_random_step_saves_and_resumes_to_the_same_result(digits_root, uninterrupted, tmp_path):
     run = str(tmp_path / "run")
     target = random.Random(os.getpid()).randrange(5, 3 * STEPS_PER_EPOCH)
-    command = [
-        sys.executable,
-        str(REPO / "train.py"),
-        *common(digits_root, run, str(tmp_path / "h1")),
-        "log_steps=1",
-    ]
+    command = train_command(*common(digits_root, run, str(tmp_path / "h1")), "log_steps=1")
     # A new session, so the signal goes to the whole process group as on a preempted VM.
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines = []

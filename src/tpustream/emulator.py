@@ -55,9 +55,12 @@ class GcsEmulator:
     Use as a context manager; the previous STORAGE_EMULATOR_HOST is restored on exit.
     """
 
-    def __init__(self, log_dir: str | None = None):
+    def __init__(self, log_dir: str | None = None, public_url: str | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # What clients are told to use (STORAGE_EMULATOR_HOST, upload
+        # locations): a proxy in front of the emulator, in fault tests.
+        self.public_url = public_url or self.url
         self._log_dir = log_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._process: subprocess.Popen | None = None
@@ -83,7 +86,7 @@ class GcsEmulator:
                     "-port",
                     str(self.port),
                     "-external-url",
-                    self.url,
+                    self.public_url,
                     "-log-level",
                     "warn",
                 ],
@@ -105,7 +108,7 @@ class GcsEmulator:
             self.stop()
             raise TpustreamError(f"fake-gcs-server did not answer within 20 s; see {self.log_path}")
         self._previous_env = os.environ.get(EMULATOR_ENV)
-        os.environ[EMULATOR_ENV] = self.url
+        os.environ[EMULATOR_ENV] = self.public_url
         return self
 
     def stop(self) -> None:

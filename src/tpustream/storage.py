@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from typing import BinaryIO
+from urllib.parse import quote
 
 import google_crc32c
 
@@ -34,6 +35,26 @@ LOCAL_READ_BUFFER_BYTES = 1024 * 1024
 # shared across a fork (DataLoader workers) and is not documented as thread
 # safe (replicas can be threads). One client per (process, thread).
 _clients = threading.local()
+
+
+def gcs_retry():
+    """The retry policy of every GCS call: the client's default (exponential backoff on
+    429, 5xx and dropped connections), for at most TPUSTREAM_GCS_RETRY_SECONDS (120)."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    return DEFAULT_RETRY.with_timeout(float(os.environ.get("TPUSTREAM_GCS_RETRY_SECONDS", "120")))
+
+
+def gcs_failures() -> tuple[type[Exception], ...]:
+    """What a GCS call raises once its retries are spent: API errors (RetryError
+    included, which is not a GoogleAPICallError), and transport errors that
+    surface unwrapped (a connection refused or reset on the last attempt)."""
+    import google.auth.exceptions
+    import requests
+    from google.api_core import exceptions as gexc
+
+    transport = (requests.RequestException, google.auth.exceptions.TransportError, ConnectionError)
+    return (gexc.GoogleAPIError, *transport)
 
 
 def is_gcs(url: str) -> bool:
@@ -106,8 +127,9 @@ def _gcs_error(url: str, exc: Exception) -> StorageError:
 
     if isinstance(exc, gexc.NotFound):
         bucket, _ = split_gcs_url(url)
-        if not bucket_exists(bucket):
-            return StorageError(f"{url}: bucket gs://{bucket} does not exist")
+        with contextlib.suppress(*gcs_failures()):
+            if not bucket_exists(bucket):
+                return StorageError(f"{url}: bucket gs://{bucket} does not exist")
         return StorageError(f"{url}: no such object (404)")
     if isinstance(exc, gexc.Forbidden):
         return StorageError(f"{url}: permission denied (403); check the credentials' IAM roles")
@@ -118,7 +140,7 @@ def bucket_exists(bucket: str) -> bool:
     from google.api_core import exceptions as gexc
 
     try:
-        return gcs_client().bucket(bucket).exists()
+        return gcs_client().bucket(bucket).exists(retry=gcs_retry())
     except gexc.Forbidden:
         # Object access without bucket metadata access is a normal IAM setup;
         # assume the bucket is there and let object calls report the details.
@@ -132,7 +154,6 @@ def open_read(url: str) -> BinaryIO:
             return open(url, "rb", buffering=LOCAL_READ_BUFFER_BYTES)  # noqa: SIM115
         except OSError as exc:
             raise StorageError(f"{url}: {exc.strerror or exc}") from exc
-    from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(url)
     blob = gcs_client().bucket(bucket).blob(name)
@@ -140,13 +161,18 @@ def open_read(url: str) -> BinaryIO:
         # Fetching metadata first turns a missing object into a clear error
         # here (after the client's retries) instead of on the first read, and
         # pins the generation so a concurrent rewrite cannot mix two versions.
-        blob.reload()
-    except gexc.GoogleAPICallError as exc:
+        blob.reload(retry=gcs_retry())
+    except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
-    media_url = blob.media_link
-    if "generation=" not in media_url:
-        media_url += f"&generation={blob.generation}"
-    return ReadAheadStream(GcsObjectStream(gcs_client()._http, media_url, blob.size, url), url)
+    # The JSON API's media download of exactly this generation, on the
+    # client's own endpoint (blob.media_link would bypass a configured
+    # endpoint: the emulator names itself there).
+    client = gcs_client()
+    media_url = (
+        f"{client.api_endpoint}/download/storage/v1/b/{bucket}/o/{quote(name, safe='')}"
+        f"?alt=media&generation={blob.generation}"
+    )
+    return ReadAheadStream(GcsObjectStream(client._http, media_url, blob.size, url), url)
 
 
 # Statuses worth retrying, as the client library's own retry policy does.
@@ -314,7 +340,7 @@ class ReadAheadStream:
                 self._done = True
                 from google.api_core import exceptions as gexc
 
-                if isinstance(item, gexc.GoogleAPICallError):
+                if isinstance(item, gexc.NotFound | gexc.Forbidden):
                     raise _gcs_error(self._url, item) from item
                 raise StorageError(f"{self._url}: read failed ({item.__class__.__name__}: {item})") from item
             self._current, self._offset = item, 0
@@ -343,24 +369,22 @@ def read_bytes(url: str) -> bytes:
                 return f.read()
         except OSError as exc:
             raise StorageError(f"{url}: {exc.strerror or exc}") from exc
-    from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(url)
     try:
-        return gcs_client().bucket(bucket).blob(name).download_as_bytes()
-    except gexc.GoogleAPICallError as exc:
+        return gcs_client().bucket(bucket).blob(name).download_as_bytes(retry=gcs_retry())
+    except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
 
 
 def exists(url: str) -> bool:
     if not is_gcs(url):
         return os.path.exists(url)
-    from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(url)
     try:
-        return gcs_client().bucket(bucket).blob(name).exists()
-    except gexc.GoogleAPICallError as exc:
+        return gcs_client().bucket(bucket).blob(name).exists(retry=gcs_retry())
+    except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
 
 
@@ -371,15 +395,14 @@ def list_names(prefix: str) -> list[str]:
             return sorted(n for n in os.listdir(prefix) if os.path.isfile(os.path.join(prefix, n)))
         except OSError as exc:
             raise StorageError(f"{prefix}: {exc.strerror or exc}") from exc
-    from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(prefix)
     folder = name.rstrip("/") + "/" if name else ""
     try:
-        blobs = gcs_client().list_blobs(bucket, prefix=folder, delimiter="/")
+        blobs = gcs_client().list_blobs(bucket, prefix=folder, delimiter="/", retry=gcs_retry())
         # Skip the folder's own placeholder object ("prefix/"), which consoles create.
         return sorted(b.name[len(folder) :] for b in blobs if b.name != folder)
-    except gexc.GoogleAPICallError as exc:
+    except gcs_failures() as exc:
         raise _gcs_error(prefix, exc) from exc
 
 
@@ -390,17 +413,14 @@ def write_bytes(url: str, data: bytes) -> None:
     a GCS object only becomes visible when its upload completes.
     """
     if is_gcs(url):
-        from google.api_core import exceptions as gexc
-        from google.cloud.storage.retry import DEFAULT_RETRY
-
         bucket, name = split_gcs_url(url)
         try:
             blob = gcs_client().bucket(bucket).blob(name)
             # The client retries uploads only under a generation precondition.
             # Ours are whole-object writes of the same bytes, so repeating one
             # is harmless: retry transient errors (429, 5xx, resets) always.
-            blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=DEFAULT_RETRY)
-        except gexc.GoogleAPICallError as exc:
+            blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=gcs_retry())
+        except gcs_failures() as exc:
             raise _gcs_error(url, exc) from exc
         return
     folder = os.path.dirname(url) or "."
@@ -438,29 +458,42 @@ def write_bytes_verified(url: str, data: bytes) -> None:
         write_bytes(url, data)
         return
     from google.api_core import exceptions as gexc
-    from google.cloud.storage.retry import DEFAULT_RETRY
 
     bucket_name, name = split_gcs_url(url)
     bucket = gcs_client().bucket(bucket_name)
     temp = bucket.blob(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
+    expected = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
     try:
         temp.upload_from_file(
-            io.BytesIO(data), size=len(data), rewind=True, checksum="crc32c", retry=DEFAULT_RETRY
+            io.BytesIO(data), size=len(data), rewind=True, checksum="crc32c", retry=gcs_retry()
         )
-        expected = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
         if temp.crc32c != expected:
             raise StorageError(f"{url}: uploaded crc32c {temp.crc32c} differs from the data's {expected}")
-        current = bucket.get_blob(name, retry=DEFAULT_RETRY)
+        current = bucket.get_blob(name, retry=gcs_retry())
         bucket.copy_blob(
-            temp, bucket, name, if_generation_match=current.generation if current else 0, retry=DEFAULT_RETRY
+            temp, bucket, name, if_generation_match=current.generation if current else 0, retry=gcs_retry()
         )
     except gexc.PreconditionFailed as exc:
-        raise StorageError(f"{url}: changed by another writer while we were saving; not overwritten") from exc
-    except gexc.GoogleAPICallError as exc:
+        # A retried copy whose first attempt went through (its answer was lost
+        # on the way back) fails its own precondition: the object is then ours.
+        if not _holds(bucket, name, expected, len(data)):
+            raise StorageError(
+                f"{url}: changed by another writer while we were saving; not overwritten"
+            ) from exc
+    except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
     finally:
         with contextlib.suppress(Exception):
-            temp.delete(retry=DEFAULT_RETRY)
+            temp.delete(retry=gcs_retry())
+
+
+def _holds(bucket, name: str, crc32c: str, size: int) -> bool:
+    """Whether the object bucket/name has exactly this crc32c and size."""
+    try:
+        blob = bucket.get_blob(name, retry=gcs_retry())
+    except gcs_failures():
+        return False
+    return blob is not None and blob.crc32c == crc32c and blob.size == size
 
 
 def delete(url: str) -> bool:
@@ -477,11 +510,11 @@ def delete(url: str) -> bool:
 
     bucket, name = split_gcs_url(url)
     try:
-        gcs_client().bucket(bucket).blob(name).delete()
+        gcs_client().bucket(bucket).blob(name).delete(retry=gcs_retry())
         return True
     except gexc.NotFound:
         return False
-    except gexc.GoogleAPICallError as exc:
+    except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
 
 
@@ -499,10 +532,10 @@ def has_same_content(url: str, data: bytes) -> bool:
 
     bucket, name = split_gcs_url(url)
     try:
-        blob = gcs_client().bucket(bucket).get_blob(name)
+        blob = gcs_client().bucket(bucket).get_blob(name, retry=gcs_retry())
     except gexc.NotFound:
         return False
-    except gexc.GoogleAPICallError as exc:
+    except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
     if blob is None or blob.size != len(data) or not blob.crc32c:
         return False
