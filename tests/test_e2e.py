@@ -5,11 +5,14 @@ Each run is a real `python train.py` in its own process (xmp.spawn, one replica)
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import time
 
 import pytest
 
-from tests.conftest import run_train
+from tests.conftest import REPO, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
 
@@ -23,7 +26,9 @@ def metrics(run: str) -> list[dict]:
 def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_path):
     run = f"{digits_bucket}/runs/e2e"
     common = [f"data.root={digits_bucket}/digits", f"output_dir={run}", "data.num_workers=2"]
-    first = run_train(*common, "epochs=4", f"hydra.run.dir={tmp_path}/h1")
+    first = run_train(
+        *common, "epochs=4", f"hydra.run.dir={tmp_path}/h1", compile_cache=False
+    )  # real compile counts
     assert first.returncode == 0, first.stderr[-3000:]
 
     assert {"config.yaml", "metrics.jsonl"} <= set(storage.list_names(run))
@@ -75,3 +80,40 @@ def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, 
     assert "Traceback" not in output
     # The run stopped at the error instead of finishing a short epoch.
     assert not storage.exists(f"{digits_bucket}/runs/broken/checkpoints/last.pt")
+
+
+def test_replicas_do_not_outlive_a_killed_train_py(digits_root, tmp_path):
+    command = train_command(
+        f"data.root={digits_root}", f"output_dir={tmp_path}/run", "epochs=50", f"hydra.run.dir={tmp_path}/h"
+    )
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    replica = None
+    for line in process.stderr:
+        if match := re.search(r"replica 0 of 1 on xla:0 \(pid (\d+)\)", line):
+            replica = int(match.group(1))
+        if "Epoch=0 Step=0 " in line:
+            break  # the DataLoader workers are up
+    assert replica is not None and replica != process.pid
+    process.kill()  # SIGKILL: no handler, no cleanup in train.py
+    process.wait()
+    # Nor do its DataLoader workers, even those still starting when it died.
+    workers = [
+        int(p)
+        for p in subprocess.run(["pgrep", "-P", str(replica)], capture_output=True, text=True).stdout.split()
+    ]
+    assert len(workers) >= 2  # train and validation loaders' persistent workers
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        alive = [pid for pid in [replica, *workers] if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+        if not alive:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"processes {alive} outlived train.py (replica {replica}, workers {workers})")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False

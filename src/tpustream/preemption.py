@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -59,3 +60,33 @@ def stop_requested() -> bool:
 def request_stop() -> None:
     """Ask this process's replicas to save and stop (as SIGTERM does)."""
     _requested.set()
+
+
+def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> None:
+    """Stop this process if the process that started it dies.
+
+    A replica is the child of train.py (xmp.spawn, or the simulated pod). If
+    train.py is killed outright (SIGKILL, OOM), nothing tells its children;
+    they would live on as orphans, some of them waiting in a collective
+    forever. DataLoader workers have a watchdog of torch's, but it takes the
+    parent pid when the worker is up: a replica that dies while its workers
+    import torch leaves them looping forever; they get this one too.
+    """
+    import os
+
+    # A child that starts slowly (a DataLoader worker importing torch) may
+    # find its parent already gone and adopted by init; so callers that know
+    # the parent's pid pass it instead of trusting getppid() at start.
+    parent = os.getppid() if parent is None else parent
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_seconds)
+            if os.getppid() != parent:
+                log.error("the process that started this one (pid %d) is gone; stopping", parent)
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

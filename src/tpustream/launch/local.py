@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -28,7 +29,7 @@ from tpustream.data.sharding import describe_sharing, plan_layout
 from tpustream.errors import ConfigError, TpustreamError
 from tpustream.logs import setup_replica_logging, setup_worker_logging
 from tpustream.models import check_model_options, create_model
-from tpustream.preemption import Preempted, install_stop_handlers
+from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
     return {"history": history, "best": max(history, key=lambda m: m["val_accuracy"])}
 
 
-def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
+def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
     """DataLoader worker_init_fn: logging, and no death by SIGTERM.
 
     A preempted TPU VM sends SIGTERM to every process. Workers that died on it
@@ -206,6 +207,7 @@ def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
     """
     setup_worker_logging(rank, world_size, worker_id)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_parent(parent=replica_pid)
 
 
 def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
@@ -221,7 +223,9 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)
     if note and runtime.is_master:
         log.warning("train: %s", note)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every replica
+    torch.manual_seed(cfg.seed)  # reproducible initial weights (broadcast from the master anyway)
+    # Device randomness (dropout and the like) differs per replica, reproducibly.
+    runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
 
     def stream(manifest: ShardManifest, train: bool) -> ShardStream:
         return ShardStream(
@@ -253,7 +257,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             val_stream.layout.steps,
             val_stream.layout.padded_samples,
         )
-    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
+    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size, os.getpid())
     height, width = plan.train.image_size
     model = create_model(
         cfg.model.name,
@@ -299,6 +303,8 @@ def replica_main(index: int, plan: RunPlan) -> None:
     world = xr.world_size()
     setup_replica_logging(xr.global_ordinal(), world, plan.cfg.log_dir)
     install_stop_handlers()  # effective only if this replica runs on its process's main thread
+    if multiprocessing.parent_process() is not None:  # a spawned child, not train.py itself
+        exit_with_parent()
     try:
         run_replica(plan, XlaRuntime(plan.cfg.accelerator.compile_cache_dir))
     except Preempted:
@@ -371,6 +377,7 @@ def simulated_replica_main(rank: int, plan: RunPlan, world: int, init_method: st
 
     setup_replica_logging(rank, world, plan.cfg.log_dir)
     install_stop_handlers()
+    exit_with_parent()
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
     )
