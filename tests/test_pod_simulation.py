@@ -6,21 +6,27 @@ data splitting, metric reduction and checkpointing are the code a TPU pod runs.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_train
+from tests.conftest import REPO, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
 from tpustream.data.manifest import load_manifest
 from tpustream.data.pipeline import SHARD_ID_SHIFT
 from tpustream.data.sharding import order_shards, plan_layout, split_by_replica
+from tpustream.errors import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 REPLICAS = 4
+# Half of the digits training split (768 samples), to keep 4 replicas on 2 cores quick.
+TRAIN_SUBSET = "train/train-{000000..000002}.tar"
 
 
 def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly(digits_bucket, tmp_path):
@@ -30,6 +36,7 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
         "accelerator=cpu_pod",
         f"accelerator.num_devices={REPLICAS}",
         f"data.root={digits_bucket}/digits",
+        f"data.train_shards='{digits_bucket}/digits/{TRAIN_SUBSET}'",  # Hydra needs braces quoted
         f"output_dir={run}",
         "data.num_workers=2",
         "batch_size=16",
@@ -41,7 +48,7 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
     assert result.returncode == 0, result.stderr[-4000:]
 
     # Every training sample exactly once per epoch across the replicas.
-    manifest = load_manifest(f"{digits_bucket}/digits/train")
+    manifest = load_manifest(f"{digits_bucket}/digits/{TRAIN_SUBSET}")
     expected = {
         (i << SHARD_ID_SHIFT) | j for i, shard in enumerate(manifest.shards) for j in range(shard.samples)
     }
@@ -51,10 +58,10 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
         ]
         seen = Counter(int(i) for ids in per_replica for i in ids)
         assert set(seen) == expected and set(seen.values()) == {1}
-    # Every replica ran the same number of steps: ceil(1438 / (16 x 4)).
+    # Every replica ran the same number of steps: 768 / (16 x 4).
     history = read_metrics(run)
-    assert [m["replica_steps"] for m in history] == [23, 23]
-    assert all(m["train_samples"] == 1438 and m["val_samples"] == 359 for m in history)
+    assert [m["replica_steps"] for m in history] == [12, 12]
+    assert all(m["train_samples"] == 768 and m["val_samples"] == 359 for m in history)
 
     # Only rank 0 wrote checkpoints; every replica logged as itself.
     saved = re.findall(r"\[replica (\d+)/4\] INFO tpustream.checkpoint: saved", result.stderr)
@@ -113,3 +120,46 @@ def test_a_failing_replica_stops_the_whole_pod(digits_bucket, tmp_path):
     assert f"{shard}: no such object (404)" in output
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and f"replica {reader}: {shard}" in errors[0]
+
+
+def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_fewer_replicas(digits_bucket, tmp_path):
+    run = f"{digits_bucket}/runs/preempted"
+    common = [
+        "accelerator=cpu_pod",
+        f"data.root={digits_bucket}/digits",
+        f"data.train_shards='{digits_bucket}/digits/{TRAIN_SUBSET}'",  # Hydra needs braces quoted
+        f"output_dir={run}",
+        "data.num_workers=0",
+        "batch_size=16",
+        "epochs=1",
+        "log_steps=1",
+        "checkpoint.stop_check_every=2",
+    ]
+    command = train_command(*common, f"accelerator.num_devices={REPLICAS}")
+    process = subprocess.Popen(
+        [*command, f"hydra.run.dir={tmp_path}/h1"], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    pids: dict[int, int] = {}
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if match := re.search(r"replica (\d+) of 4 on xla:0 \(pid (\d+)\)", line):
+            pids[int(match.group(1))] = int(match.group(2))
+        if re.search(r"Epoch=0 Step=5 Loss", line):
+            os.kill(pids[2], signal.SIGTERM)  # one replica only; the others must stop with it
+            break
+    lines.extend(process.stderr)
+    text = "".join(lines)
+    assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE, text[-4000:]
+    saved = load_checkpoint(f"{run}/checkpoints/last.pt")
+    assert saved["position"]["epoch"] == 0 and 6 <= saved["position"]["step"] < 12
+    assert saved["data_plan"]["world_size"] == REPLICAS
+    assert "received SIGTERM" in text
+
+    # Two replicas now: the partial epoch restarts (its data order depends on the replica count).
+    resumed = run_train(*common, "accelerator.num_devices=2", f"hydra.run.dir={tmp_path}/h2")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "epoch 0 restarts from its first batch" in resumed.stderr
+    history = read_metrics(run)
+    assert [m["epoch"] for m in history] == [0]
+    assert history[0]["train_samples"] == 768 and history[0]["replica_steps"] == 24  # 768 / (16 x 2)
