@@ -46,4 +46,4 @@ def create_model(name: str, *, num_classes: int, image_size: int, channels: int,
 
 
 # Importing the families registers them.
-from tpustream.models import cnn, resnet  # noqa: E402,F401
+from tpustream.models import cnn, resnet, wrn  # noqa: E402,F401

@@ -13,8 +13,12 @@ from tpustream.models import register_model
 SMALL_IMAGE_MAX = 64
 
 
-def _adapt(model: torchvision.models.ResNet, image_size: int, channels: int) -> nn.Module:
-    if image_size <= SMALL_IMAGE_MAX:
+def _adapt(
+    model: torchvision.models.ResNet, image_size: int, channels: int, cifar_stem: bool | None
+) -> nn.Module:
+    if cifar_stem is None:
+        cifar_stem = image_size <= SMALL_IMAGE_MAX
+    if cifar_stem:
         model.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     elif channels != 3:
@@ -23,10 +27,16 @@ def _adapt(model: torchvision.models.ResNet, image_size: int, channels: int) -> 
 
 
 @register_model("resnet18")
-def resnet18(*, num_classes: int, image_size: int, channels: int) -> nn.Module:
-    return _adapt(torchvision.models.resnet18(num_classes=num_classes), image_size, channels)
+def resnet18(
+    *, num_classes: int, image_size: int, channels: int, cifar_stem: bool | None = None
+) -> nn.Module:
+    """cifar_stem: 3x3 stride-1 first conv and no max-pool; null = for images up to 64 px."""
+    return _adapt(torchvision.models.resnet18(num_classes=num_classes), image_size, channels, cifar_stem)
 
 
 @register_model("resnet50")
-def resnet50(*, num_classes: int, image_size: int, channels: int) -> nn.Module:
-    return _adapt(torchvision.models.resnet50(num_classes=num_classes), image_size, channels)
+def resnet50(
+    *, num_classes: int, image_size: int, channels: int, cifar_stem: bool | None = None
+) -> nn.Module:
+    """cifar_stem: 3x3 stride-1 first conv and no max-pool; null = for images up to 64 px."""
+    return _adapt(torchvision.models.resnet50(num_classes=num_classes), image_size, channels, cifar_stem)

@@ -1,0 +1,101 @@
+"""Model registry and the families' shapes and sizes (eager CPU, forward only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tpustream.errors import ConfigError
+from tpustream.models import check_model_options, create_model, model_names
+
+# The seed's Keras summary of its WideResNet (k=7, N=4, 7x7 convolutions, CIFAR-100).
+SEED_TRAINABLE = 103_452_484
+SEED_TOTAL = 103_465_028
+
+
+def keras_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, non-trainable) as Keras counts them.
+
+    Keras' non-trainable parameters are BatchNormalization's moving mean and
+    variance; PyTorch also keeps num_batches_tracked, a step counter with no
+    Keras counterpart, so it is left out.
+    """
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    moving = sum(
+        b.numel() for name, b in model.named_buffers() if name.endswith(("running_mean", "running_var"))
+    )
+    return trainable, moving
+
+
+def test_wrn_seed_matches_the_seed_keras_summary_exactly():
+    with torch.device("meta"):  # 103M parameters: count them without allocating 400 MB
+        model = create_model("wrn_seed", num_classes=100, image_size=32, channels=3)
+    trainable, moving = keras_counts(model)
+    assert trainable == SEED_TRAINABLE
+    assert trainable + moving == SEED_TOTAL
+
+
+def test_wrn_seed_count_layer_by_layer():
+    """Where the 103,452,484 come from; a change to any layer shows up here by name."""
+    with torch.device("meta"):
+        model = create_model("wrn_seed", num_classes=100, image_size=32, channels=3)
+    widths = (112, 224, 448)
+    conv7 = sum(8 * (w * w * 49 + w) for w in widths)  # 4 blocks x 2 convs per stage, with bias
+    lift = 3 * 112 + 112  # 1x1 input conv
+    between = (112 * 224 + 224) + (224 * 448 + 448)  # 1x1 convs before stages 2 and 3
+    bn = sum(8 * 2 * w for w in widths)  # gamma and beta of 8 batch norms per stage
+    head = 448 * 100 + 100
+    assert conv7 + lift + between + bn + head == SEED_TRAINABLE
+
+    by_kind: dict[str, int] = {"conv7": 0, "conv1": 0, "bn": 0, "head": 0}
+    for module in model.modules():
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        if isinstance(module, nn.Conv2d):
+            by_kind["conv7" if module.kernel_size == (7, 7) else "conv1"] += count
+        elif isinstance(module, nn.BatchNorm2d):
+            by_kind["bn"] += count
+        elif isinstance(module, nn.Linear):
+            by_kind["head"] += count
+        else:
+            assert count == 0, f"unexpected parameters in {module}"
+    assert by_kind == {"conv7": conv7, "conv1": lift + between, "bn": bn, "head": head}
+
+
+def test_wrn_seed_small_variant_runs_forward_and_downsamples_twice():
+    model = create_model("wrn_seed", num_classes=10, image_size=8, channels=1, k=1, n=1, kernel_size=3)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    features = model.features(torch.zeros(1, 1, 8, 8))
+    assert features.shape == (1, 64, 2, 2)  # widths 16, 32, 64; 8 -> 4 -> 2
+
+
+def test_wrn_seed_rejects_an_image_it_cannot_halve_twice():
+    with pytest.raises(ConfigError, match="wrn_seed"):
+        create_model("wrn_seed", num_classes=10, image_size=30, channels=3)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_resnet_cifar_stem_is_automatic_for_small_images_and_can_be_forced(name):
+    small = create_model(name, num_classes=10, image_size=32, channels=3)
+    assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, nn.Identity)
+    large = create_model(name, num_classes=10, image_size=224, channels=3)
+    assert large.conv1.kernel_size == (7, 7) and isinstance(large.maxpool, nn.MaxPool2d)
+    forced = create_model(name, num_classes=10, image_size=224, channels=3, cifar_stem=True)
+    assert forced.conv1.kernel_size == (3, 3)
+    imagenet_stem = create_model(name, num_classes=10, image_size=32, channels=1, cifar_stem=False)
+    assert imagenet_stem.conv1.kernel_size == (7, 7) and imagenet_stem.conv1.in_channels == 1
+
+
+def test_every_registered_model_classifies_a_small_batch():
+    for name in model_names():
+        options = {"k": 1, "n": 1, "kernel_size": 3} if name == "wrn_seed" else {}
+        model = create_model(name, num_classes=7, image_size=32, channels=3, **options).eval()
+        assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 7), name
+
+
+def test_model_options_are_checked_before_anything_runs():
+    check_model_options("wrn_seed", {"k": 2})
+    with pytest.raises(ConfigError, match="wrn_seed"):
+        check_model_options("wrn_seed", {"depth": 28})
+    with pytest.raises(ConfigError, match="not a known model"):
+        check_model_options("wrn", {})
