@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import logging
+import re
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from tests.conftest import numbered_samples, png_bytes, solid_image
 from tpustream.data.manifest import load_manifest
 from tpustream.data.pipeline import SHARD_ID_SHIFT, CountingLoader, ShardStream, make_loader
-from tpustream.data.tar_stream import write_tar
+from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, write_tar
 from tpustream.errors import DataError, StorageError
 
 SIZE = 8
@@ -231,3 +234,187 @@ def test_resuming_mid_epoch_yields_exactly_the_remaining_batches(uneven_split, w
     for a, b in zip(full[skip:], rest, strict=True):
         for key in ("image", "label", "real"):
             assert torch.equal(a[key], b[key])
+
+
+# In-memory mode: the same batches as streaming, from one shared copy of the split.
+
+
+def raw_batches(
+    s: ShardStream, workers: int, epochs: list[int], skip: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Every field of every batch (filled and sample_id included) of the given epochs, in order.
+
+    The first epoch resumes after `skip` batches, as a restarted run would.
+    """
+    loader = make_loader(s, workers)
+    batches = []
+    for index, epoch in enumerate(epochs):
+        s.set_epoch(epoch, skip_batches=skip if index == 0 else 0)
+        # The DataLoader itself (CountingLoader pops filled and sample_id), and
+        # a loop rather than list(): list() asks len() after the iterator has
+        # taken its length, which makes DataLoader warn after set_epoch.
+        for batch in loader.loader:
+            batches.append(batch)
+    loader.close()
+    return batches
+
+
+def assert_same_batches(
+    expected: list[dict[str, torch.Tensor]], actual: list[dict[str, torch.Tensor]]
+) -> None:
+    assert len(actual) == len(expected)
+    for a, b in zip(expected, actual, strict=True):
+        assert a.keys() == b.keys() == {"image", "label", "real", "filled", "sample_id"}
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize(
+    ("world", "workers", "epoch", "skip", "train"),
+    [
+        (1, 0, 0, 0, True),
+        (1, 2, 1, 5, True),
+        (3, 0, 2, 1, True),
+        (3, 2, 0, 2, True),
+        (2, 3, 5, 4, True),
+        (3, 2, 1, 0, False),
+        (2, 0, 0, 3, False),
+    ],
+)
+def test_memory_batches_equal_streamed_batches(uneven_split, world, workers, epoch, skip, train):
+    options = dict(world=world, workers=workers, train=train, shuffle_buffer=32, crop_padding=2, hflip=True)
+    for rank in range(world):
+        streamed = stream(uneven_split, rank=rank, **options)
+        in_memory = stream(uneven_split, rank=rank, in_memory=True, **options)
+        expected = raw_batches(streamed, workers, [epoch, epoch + 1], skip)
+        assert len(expected) == 2 * streamed.layout.steps - skip
+        assert_same_batches(expected, raw_batches(in_memory, workers, [epoch, epoch + 1], skip))
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_memory_batches_equal_streamed_batches_on_digits(digits_root, split):
+    options = dict(
+        batch_size=32, world_size=2, num_workers=0, train=split == "train", seed=3, shuffle_buffer=200
+    )
+    manifest = load_manifest(f"{digits_root}/{split}")
+    for rank in range(2):
+        expected = raw_batches(ShardStream(manifest, rank=rank, **options), 0, [1])
+        in_memory = ShardStream(manifest, rank=rank, in_memory=True, **options)
+        assert in_memory.memory.images.shape == (manifest.num_samples, 3, 32, 32)
+        assert_same_batches(expected, raw_batches(in_memory, 0, [1]))
+
+
+def test_memory_reads_the_shards_once_and_logs_the_load(uneven_split, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="tpustream.data.pipeline"):
+        s = stream(uneven_split, train=True, in_memory=True)
+    assert re.search(
+        r"val split in memory: 103 of 103 listed samples, [\d.]+ MB shared, loaded in", caplog.text
+    )
+    assert s.memory.nbytes == 103 * (3 * SIZE * SIZE + 8 + 8)
+    for shard in (tmp_path / "shards" / "val").glob("*.tar"):
+        shard.unlink()
+    for epoch in (0, 1):
+        assert len(run_epoch(s, 0, epoch)) == 13
+
+
+def truncated_split(write_split, cut: int, corrupt: bool) -> str:
+    """16 listed samples over 2 shards; the second cut off about half way, at or after a member boundary.
+
+    With corrupt, the first shard also holds samples that do not decode (bad_split's).
+    """
+    full = write_tar((f"{k}.{e}", d) for k, f in numbered_samples(100, 10, SIZE) for e, d in f.items())
+    truncated = {1: full[: len(full) // 2 + cut]}
+    if corrupt:
+        return bad_split(write_split, extra_tar=truncated, counts=[6, 10])
+    shards = [numbered_samples(0, 6, SIZE), numbered_samples(100, 10, SIZE)]
+    return write_split("train", shards, image_size=SIZE, raw_tars=truncated)
+
+
+@pytest.mark.parametrize("cut", [0, 100], ids=["member-boundary", "mid-member"])
+@pytest.mark.parametrize(
+    ("world", "workers", "train", "skip"),
+    [(1, 0, False, 0), (1, 0, True, 1), (2, 0, False, 0), (2, 0, True, 1), (2, 2, True, 0), (1, 2, False, 1)],
+)
+def test_memory_handles_bad_data_as_streaming_does(write_split, caplog, cut, world, workers, train, skip):
+    folder = truncated_split(write_split, cut, corrupt=True)
+    options = dict(world=world, batch=4, workers=workers, train=train, crop_padding=2, hflip=True)
+    filled = 0
+    for rank in range(world):
+        expected = raw_batches(stream(folder, rank=rank, **options), workers, [0], skip)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tpustream.data.pipeline"):
+            in_memory = stream(folder, rank=rank, in_memory=True, **options)
+            assert_same_batches(expected, raw_batches(in_memory, workers, [0], skip))
+        # Reported once, when the split is loaded, not again by the workers.
+        assert caplog.text.count("train-000000.tar sample bad-png: cannot decode png") == 1
+        assert caplog.text.count("train-000001.tar: truncated") == 1
+        filled += sum(int(b["filled"]) for b in expected)
+    assert filled > 0
+
+
+@pytest.mark.parametrize("fault", ["bad-sample", "member-boundary", "mid-member"])
+def test_memory_raises_the_streamed_error_when_loading(write_split, fault):
+    if fault == "bad-sample":
+        folder = bad_split(write_split)
+    else:
+        folder = truncated_split(write_split, 0 if fault == "member-boundary" else 100, corrupt=False)
+    options = dict(train=False, batch=4, on_error="raise")
+    with pytest.raises(DataError) as streamed:
+        list(make_loader(stream(folder, **options), 0))
+    with pytest.raises(DataError) as in_memory:
+        stream(folder, in_memory=True, **options)
+    assert str(in_memory.value) == str(streamed.value)
+    assert str(streamed.value).startswith(f"{folder}/train-00000{0 if fault == 'bad-sample' else 1}.tar")
+
+
+def test_memory_is_shared_with_spawned_workers_not_copied(uneven_split):
+    s = stream(uneven_split, train=False, workers=2, in_memory=True)
+    images = s.memory.images
+    assert all(t.is_shared() for t in (images, s.memory.labels, s.memory.rows))
+    # As in an xmp.spawn replica: workers started with "spawn" receive the
+    # stream by pickling, and keep that copy of the object between epochs
+    # (persistent). data_ptr cannot tell (each process maps the memory at its
+    # own address), so: write to the images in this process only, between two
+    # passes. Workers that share the memory serve the new pixels; workers
+    # holding a copy would serve the old ones.
+    loader = CountingLoader(
+        DataLoader(
+            s, batch_size=None, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
+        )
+    )
+    try:
+        before = [b["image"].clone() for b in loader]
+        images.bitwise_not_()
+        after = [b["image"] for b in loader]
+    finally:
+        loader.close()
+    assert len(before) == len(after) == 13
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(new, torch.bitwise_not(old))
+
+
+def test_a_span_of_a_damaged_shard_delivers_what_reading_the_whole_shard_delivered():
+    # What read_memory_samples relies on: reading samples [start, stop) of a
+    # truncated or corrupt shard yields start..min(stop, k)-1, where k is what
+    # reading all listed samples yields, and fails iff that read failed and
+    # stop > k. So spans can be served from one whole-shard read.
+    full = write_tar((f"{k}.{e}", d) for k, f in numbered_samples(0, 6, SIZE) for e, d in f.items())
+    damaged = [full[:cut] for cut in range(0, len(full), 97)]
+    damaged += [full[:at] + b"garbage!" * 64 + full[at + 512 :] for at in range(0, len(full) - 512, 512 * 3)]
+
+    def read(data: bytes, start: int, stop: int) -> tuple[list[int], bool]:
+        indices = []
+        try:
+            for sample in iter_shard_samples(io.BytesIO(data), "shard", start, stop):
+                indices.append(sample["__index__"])
+        except ShardFormatError:
+            return indices, True
+        return indices, False
+
+    for data in damaged:
+        whole, failed = read(data, 0, 6)
+        for start in range(6):
+            for stop in range(start + 1, 7):
+                expected = (list(range(start, min(stop, len(whole)))), failed and stop > len(whole))
+                assert read(data, start, stop) == expected, (len(data), start, stop)

@@ -4,6 +4,11 @@ Each stage is one generator; ``ShardStream.__iter__`` composes them for one
 DataLoader worker. Whatever goes wrong with the data, a worker yields exactly
 the number of full batches its plan says, so every replica runs the same
 number of steps and no pod waits forever in an all-reduce.
+
+With ``in_memory=True`` the split is read and decoded once into shared memory
+(``load_split_memory``), and the reading and decoding stages are replaced by
+lookups in it (``read_memory_samples``, ``take_memory_samples``); the other
+stages are the same, so the batches are identical to the streamed ones.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -32,7 +39,7 @@ from tpustream.data.sharding import (
     worker_batches,
 )
 from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples
-from tpustream.errors import DataError, TpustreamError
+from tpustream.errors import ConfigError, DataError, TpustreamError
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +111,19 @@ def read_span_samples(
             raise
 
 
-def shuffle_samples(samples: Iterable[dict], buffer_size: int, rng: np.random.Generator) -> Iterator[dict]:
-    """Shuffle through a buffer of encoded samples (memory: buffer_size samples)."""
+Item = TypeVar("Item")
+
+
+def shuffle_samples(samples: Iterable[Item], buffer_size: int, rng: np.random.Generator) -> Iterator[Item]:
+    """Shuffle through a buffer of encoded samples (memory: buffer_size samples).
+
+    The draws depend only on the number of items, not on what they are, so
+    sample references from memory come out in the order streamed samples would.
+    """
     if buffer_size <= 1:
         yield from samples
         return
-    buffer: list[dict] = []
+    buffer: list[Item] = []
     picks: list[int] = []  # random slots drawn in blocks: one call per sample cost ~1.6 us
     for sample in samples:
         if len(buffer) < buffer_size:
@@ -135,6 +149,132 @@ def decode_samples(
             on_error(sample["__url__"], sample["__key__"], str(exc))
             continue
         yield DecodedSample(image, label, not sample["__padding__"], sample.get("__id__", -1))
+
+
+class SampleRef(NamedTuple):
+    """One sample of a split held in memory, as it passes the shuffle and the resume skip."""
+
+    row: int  # in SplitMemory.images; -1 for a sample that failed to decode when loaded
+    real: bool  # False for the wrap-around padding of the last global batch
+    sample_id: int
+
+
+@dataclass
+class SplitMemory:
+    """A split decoded once into shared memory, addressed by (shard in the manifest, sample in the shard).
+
+    The tensors are in shared memory, so pickling this to a DataLoader worker
+    (torch's multiprocessing reductions) passes a handle, not the bytes.
+    """
+
+    images: torch.Tensor  # uint8 (N, C, H, W): the samples that decoded
+    labels: torch.Tensor  # int64 (N,)
+    rows: torch.Tensor  # int64 (listed samples,): sample i of shard s at shard_starts[s] + i; -1 if bad
+    shard_starts: list[int]
+    # Samples each shard's reader delivered before it ended: its listed count,
+    # or fewer when it is truncated or corrupt.
+    delivered: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.images, self.labels, self.rows))
+
+
+def share_tensor(tensor: torch.Tensor, split: str) -> torch.Tensor:
+    """tensor moved into shared memory, or a ConfigError saying how to make room."""
+    try:
+        return tensor.share_memory_()
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"{split}: cannot put {tensor.numel() * tensor.element_size()} bytes of the split in shared "
+            f"memory ({str(exc).splitlines()[0]}); give /dev/shm room (docker run --shm-size) "
+            "or set data.in_memory=false"
+        ) from None
+
+
+def load_split_memory(manifest: ShardManifest, decoder: ImageDecoder, on_error: ErrorPolicy) -> SplitMemory:
+    """Read and decode every sample of a split once, into shared memory.
+
+    Each shard is read as one span of its listed samples: as far as the
+    streamed span ending at its last sample reads, so a truncated shard
+    delivers here the same samples it delivers there (``read_memory_samples``
+    relies on it). Bad samples and shards go to on_error once, here.
+    """
+    started = time.perf_counter()
+    listed = manifest.num_samples
+    shard_index = {shard.url: i for i, shard in enumerate(manifest.shards)}
+    shard_starts = list(itertools.accumulate((shard.samples for shard in manifest.shards), initial=0))[:-1]
+    delivered = [0] * len(manifest.shards)
+    rows = np.full(listed, -1, np.int64)
+    labels = np.empty(listed, np.int64)
+    # Shared before it is filled: the unfilled pages of the private tensor are
+    # never touched, so the split is in RAM once, not twice.
+    images = share_tensor(torch.empty((listed, *decoder.shape), dtype=torch.uint8), manifest.split)
+    image_rows = images.numpy()
+    count = 0
+    spans = [SampleSpan(shard.url, 0, shard.samples) for shard in manifest.shards]
+    for sample in read_span_samples(spans, on_error, shard_index):
+        shard, index = sample["__id__"] >> SHARD_ID_SHIFT, sample["__index__"]
+        delivered[shard] = index + 1
+        try:
+            image_rows[count], labels[count] = decoder(sample)
+        except SampleError as exc:
+            on_error(sample["__url__"], sample["__key__"], str(exc))
+            continue
+        rows[shard_starts[shard] + index] = count
+        count += 1
+    if count < listed:
+        images = share_tensor(images[:count].clone(), manifest.split)
+    memory = SplitMemory(
+        images,
+        share_tensor(torch.from_numpy(labels[:count].copy()), manifest.split),
+        share_tensor(torch.from_numpy(rows), manifest.split),
+        shard_starts,
+        delivered,
+    )
+    log.info(
+        "%s split in memory: %d of %d listed samples, %.1f MB shared, loaded in %.2f s",
+        manifest.split,
+        count,
+        listed,
+        memory.nbytes / 1e6,
+        time.perf_counter() - started,
+    )
+    return memory
+
+
+def read_memory_samples(
+    spans: Iterable[SampleSpan], memory: SplitMemory, shard_index: dict[str, int]
+) -> Iterator[SampleRef]:
+    """References to the samples of each span, as read_span_samples would yield them.
+
+    A span stops where its shard's reader stopped when the split was loaded
+    (a truncated shard ends the span early, as streaming does). Samples that
+    failed to decode stay in, with row -1, because the shuffle draws and the
+    resume skip count them when streaming; take_memory_samples leaves them out.
+    """
+    rows = memory.rows.numpy()
+    for span in spans:
+        shard = shard_index[span.url]
+        first = memory.shard_starts[shard]
+        stop = min(span.stop, memory.delivered[shard])
+        shard_id = shard << SHARD_ID_SHIFT
+        real = not span.padding
+        for index, row in enumerate(rows[first + span.start : first + stop].tolist(), span.start):
+            yield SampleRef(row, real, shard_id | index)
+
+
+def take_memory_samples(refs: Iterable[SampleRef], memory: SplitMemory) -> Iterator[DecodedSample]:
+    """The samples behind the references (views of shared memory), leaving out bad ones.
+
+    Bad samples were reported to the error policy once, when the split was
+    loaded; batch_samples fills their places as it does for streamed ones.
+    """
+    images = memory.images.numpy()
+    labels = memory.labels.numpy()
+    for ref in refs:
+        if ref.row >= 0:
+            yield DecodedSample(images[ref.row], int(labels[ref.row]), ref.real, ref.sample_id)
 
 
 @dataclass
@@ -218,6 +358,9 @@ class ShardStream(IterableDataset):
     Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
     float32 (B,) 1 for samples that count in loss and metrics, "filled": the
     number of places bad data left empty}.
+
+    in_memory=True reads and decodes the whole split once, at construction,
+    into shared memory, and serves the same batches from there.
     """
 
     def __init__(
@@ -235,6 +378,7 @@ class ShardStream(IterableDataset):
         on_error: str = "skip",
         crop_padding: int = 4,
         hflip: bool = True,
+        in_memory: bool = False,
     ):
         super().__init__()
         self.manifest = manifest
@@ -257,6 +401,15 @@ class ShardStream(IterableDataset):
             manifest.num_samples, batch_size, world_size, last_batch if train else "pad", manifest.split
         )
         self.shard_index = {shard.url: i for i, shard in enumerate(manifest.shards)}
+        # Loaded here, in the replica's main process, not on first iteration:
+        # with DataLoader workers __iter__ only ever runs in the workers, which
+        # receive this object by pickling when the loader first iterates. Loaded
+        # before that, it reaches them as handles to the one shared copy rather
+        # than being read by each worker. A bad split under on_error=raise then
+        # also stops the run at start-up, before any step is compiled.
+        self.memory: SplitMemory | None = (
+            load_split_memory(manifest, self.decoder, ErrorPolicy(on_error)) if in_memory else None
+        )
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
@@ -304,13 +457,21 @@ class ShardStream(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         worker, skip = self.worker_role(worker, workers)
         on_error = ErrorPolicy(self.on_error)
-        samples = read_span_samples(self.worker_spans(worker, workers), on_error, self.shard_index)
+        spans = self.worker_spans(worker, workers)
+        samples: Iterator[dict] | Iterator[SampleRef]
+        if self.memory is None:
+            samples = read_span_samples(spans, on_error, self.shard_index)
+        else:
+            samples = read_memory_samples(spans, self.memory, self.shard_index)
         if self.train:
             samples = shuffle_samples(samples, self.shuffle_buffer, self._rng(worker, 1))
         # Skipped samples are read and shuffled (the shuffle depends on them)
         # but not decoded.
         samples = itertools.islice(samples, skip * self.batch_size, None)
-        decoded = decode_samples(samples, self.decoder, on_error)
+        if self.memory is None:
+            decoded = decode_samples(samples, self.decoder, on_error)
+        else:
+            decoded = take_memory_samples(samples, self.memory)
         batches = batch_samples(
             decoded,
             self.batch_size,
