@@ -31,6 +31,9 @@ def common(root: str, out: str, hydra_dir: str) -> list[str]:
         f"output_dir={out}",
         "epochs=4",
         "data.num_workers=2",
+        # The replica in train.py's own process: the spawn path is test_e2e's;
+        # here it would only add seconds per run.
+        "accelerator.in_process=true",
         f"hydra.run.dir={hydra_dir}",
     ]
 
