@@ -7,6 +7,10 @@ Configuration lives in conf/ (see conf/config.yaml); any key can be overridden
 on the command line. This file only parses the config and launches.
 """
 
+import time
+
+STARTED = time.time()  # before the imports: set-up time counts them (see bench/EPOCH_TIME.md)
+
 import logging
 import sys
 
@@ -33,7 +37,7 @@ if __name__ == "__mp_main__":
 def main(cfg: DictConfig) -> None:
     install_stop_handlers()  # this process waits for its replicas, and reports
     try:
-        result = launch(prepare(cfg))
+        result = launch(prepare(cfg, started_at=STARTED))
     except Preempted as exc:
         log.warning(
             "preempted (%s); progress is in %s/checkpoints/last.pt: run the same command to continue",
@@ -44,7 +48,7 @@ def main(cfg: DictConfig) -> None:
     except TpustreamError as exc:
         log.error("%s", exc)
         sys.exit(2)
-    if result and result["best"] and not cfg.eval_only:
+    if result and result["best"] and not cfg.eval_only:  # None when nothing was evaluated
         best = result["best"]
         print(
             f"best validation accuracy {100 * best['val_accuracy']:.2f}% "

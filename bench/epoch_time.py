@@ -150,17 +150,12 @@ def override_key(override: str) -> str:
 
 
 def cache_key() -> str:
-    """The config key of the persistent XLA compile cache in this checkout.
+    """The config key of the persistent XLA compile cache (checked against the schema)."""
+    from tpustream.config import TrainConfig
 
-    It moved from accelerator.compile_cache_dir to a top-level xla_cache_dir.
-    """
-    from tpustream.config import AcceleratorConfig, TrainConfig
-
-    if "xla_cache_dir" in TrainConfig.__dataclass_fields__:
-        return "xla_cache_dir"
-    if "compile_cache_dir" in AcceleratorConfig.__dataclass_fields__:
-        return "accelerator.compile_cache_dir"
-    raise SystemExit("found no XLA compile cache key in tpustream.config (xla_cache_dir)")
+    if "xla_cache_dir" not in TrainConfig.__dataclass_fields__:
+        raise SystemExit("found no XLA compile cache key in tpustream.config (xla_cache_dir)")
+    return "xla_cache_dir"
 
 
 # ----------------------------------------------------------------------- plan

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -138,23 +137,16 @@ def numbered_samples(start: int, count: int, size: int = 8) -> list[tuple[str, d
     ]
 
 
-# One persistent XLA compilation cache for every train.py the tests start: each
-# graph compiles once per session instead of once per run (XLA:CPU compiles
-# take seconds and dominate short runs).
-XLA_CACHE = Path(tempfile.gettempdir()) / f"tpustream-tests-xla-cache-{os.getuid()}"
-
-
-def train_command(*overrides: str, compile_cache: bool = True) -> list[str]:
-    cache = [f"accelerator.compile_cache_dir={XLA_CACHE}"] if compile_cache else []
-    return [sys.executable, str(REPO / "train.py"), *cache, *overrides]
+def train_command(*overrides: str) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), *overrides]
 
 
 def run_train(
-    *overrides: str, env: dict[str, str] | None = None, timeout: int = 600, compile_cache: bool = True
+    *overrides: str, env: dict[str, str] | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     """Run train.py in a fresh process (XLA tests must not share a process with eager backward)."""
     return subprocess.run(
-        train_command(*overrides, compile_cache=compile_cache),
+        train_command(*overrides),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -311,7 +311,7 @@ def test_a_failed_run_is_reported_with_its_command_and_stderr(tmp_path):
 
 
 def test_every_run_is_composed_with_hydra_before_anything_runs():
-    cache = epoch_time.cache_key()  # the key of this checkout: xla_cache_dir, or its older name
+    cache = epoch_time.cache_key()
     plan = epoch_time.build_plan([8], ["workers", "augmentation"], epochs=1, cache=cache)
     assert epoch_time.default_name(epoch_time.check_with_hydra(plan)) == "small_cnn-digits-cpu"
     typo = epoch_time.build_plan([8], ["workers"], epochs=1, extra=["optim.lrr=0.1"], cache=cache)

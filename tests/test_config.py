@@ -7,8 +7,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tpustream.config import Device, LastBatch, OnError, OptimizerName, TrainConfig
+from tpustream.config import Device, LastBatch, OnError, OptimizerName, Precision, Strategy, TrainConfig
 from tpustream.launch import resolve_config
+from tpustream.launch.local import DEFAULT_XLA_CACHE
 
 
 def test_default_config_is_digits_small_cnn_sgd_cpu(compose_config):
@@ -28,6 +29,7 @@ def test_default_config_is_digits_small_cnn_sgd_cpu(compose_config):
         ["data=cifar10", "model=resnet50", "batch_size=128", "epochs=18"],
         ["data=cifar100", "model=resnet18", "optim=adamw"],
         ["data=imagenet", "accelerator=tpu", "data.on_error=raise", "data.last_batch=drop"],
+        ["data=cifar100", "model=wrn_seed", "precision=bf16", "strategy=fsdp", "micro_batches=4"],
     ],
 )
 def test_every_group_option_composes(compose_config, overrides):
@@ -51,6 +53,9 @@ def test_enum_overrides_become_enums(compose_config):
         ("data.on_error=ignore", "on_error"),
         ("batchsize=3", "batchsize"),
         ("model=resnet101", "resnet101"),
+        ("precision=fp16", "precision"),
+        ("strategy=ddp2", "strategy"),
+        ("accelerator.bf16=true", "bf16"),  # the old switch: precision=bf16 now
     ],
 )
 def test_typos_and_wrong_types_fail_at_composition(compose_config, override, message):
@@ -71,3 +76,29 @@ def test_every_yaml_in_conf_documents_itself():
     for path in sorted((REPO / "conf").rglob("*.yaml")):
         assert path.read_text().startswith("#"), f"{path} should open with a comment saying what it is"
         OmegaConf.load(path)
+
+
+def test_precision_and_strategy_are_typed(compose_config):
+    typed, plain = resolve_config(compose_config("precision=bf16", "strategy=fsdp"))
+    assert typed.precision == Precision.bf16 and typed.strategy == Strategy.fsdp
+    assert (plain["precision"], plain["strategy"]) == ("bf16", "fsdp")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], None),  # auto on CPU: torch_xla 2.9's CPU client cannot load cache entries
+        (["accelerator=tpu"], DEFAULT_XLA_CACHE),
+        (["accelerator=tpu", "xla_cache_dir=null"], None),
+        (["xla_cache_dir=cache"], "{cwd}/cache"),
+    ],
+)
+def test_xla_cache_dir_auto_is_on_for_tpu_only(compose_config, monkeypatch, tmp_path, overrides, expected):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    typed, _ = resolve_config(compose_config(*overrides))
+    if expected is None:
+        assert typed.xla_cache_dir is None
+    else:
+        assert typed.xla_cache_dir == os.path.expanduser(expected).format(cwd=tmp_path)

@@ -9,8 +9,10 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_train, train_command
 from tpustream import storage
@@ -26,9 +28,7 @@ def metrics(run: str) -> list[dict]:
 def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_path):
     run = f"{digits_bucket}/runs/e2e"
     common = [f"data.root={digits_bucket}/digits", f"output_dir={run}", "data.num_workers=2"]
-    first = run_train(
-        *common, "epochs=4", f"hydra.run.dir={tmp_path}/h1", compile_cache=False
-    )  # real compile counts
+    first = run_train(*common, "epochs=4", "debug.metrics=true", f"hydra.run.dir={tmp_path}/h1")
     assert first.returncode == 0, first.stderr[-3000:]
 
     assert {"config.yaml", "metrics.jsonl"} <= set(storage.list_names(run))
@@ -52,6 +52,17 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     )
     assert "Rate=" in log and "GlobalRate=" in log
     assert "best validation accuracy" in first.stdout
+    # debug.metrics: a summary per epoch, and no step compiled unexpectedly.
+    summaries = re.findall(r"epoch \d: XLA: (\d+) compilations", log)
+    assert summaries == [str(history[0]["compilations"])] * 4
+    assert "XLA compiled" not in log
+    # TensorBoard, written locally and uploaded to the bucket each epoch.
+    scalars = bucket_scalars(run, tmp_path / "tb1")
+    assert [step for step, _ in scalars["epoch/val_accuracy"]] == [23, 46, 69, 92]
+    assert [value for _, value in scalars["epoch/val_accuracy"]] == pytest.approx(
+        [m["val_accuracy"] for m in history]
+    )
+    assert {"train/loss", "train/lr", "rate/global", "rate/replica_000", "xla/compilations"} <= set(scalars)
 
     second = run_train(*common, "epochs=6", f"hydra.run.dir={tmp_path}/h2")
     assert second.returncode == 0, second.stderr[-3000:]
@@ -61,6 +72,26 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     last = load_checkpoint(f"{run}/checkpoints/last.pt")
     assert last["epoch"] == 5 and last["global_step"] == 6 * 23
     assert load_checkpoint(f"{run}/checkpoints/best.pt")["best_accuracy"] >= best["best_accuracy"]
+    # The resumed run's events continue the same curves.
+    steps = [step for step, _ in bucket_scalars(run, tmp_path / "tb2")["epoch/val_accuracy"]]
+    assert steps == [23, 46, 69, 92, 115, 138]
+
+
+def bucket_scalars(run: str, local: Path) -> dict[str, list[tuple[int, float]]]:
+    """The TensorBoard scalars under <run>/tensorboard in the bucket, as TensorBoard would read them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    names = storage.list_names(f"{run}/tensorboard")
+    assert names, "no event files in the bucket"
+    local.mkdir(parents=True)
+    for name in names:
+        (local / name).write_bytes(storage.read_bytes(f"{run}/tensorboard/{name}"))
+    accumulator = EventAccumulator(str(local), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, tmp_path):
@@ -117,3 +148,31 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
+
+
+def test_data_from_memory_trains_exactly_as_streamed_and_validation_can_be_off(digits_root, tmp_path):
+    """The epoch-time benchmark's switches (source: memory, validation: off) change the cost, not the run."""
+    runs = {}
+    for source in ("false", "true"):
+        run = str(tmp_path / f"in_memory_{source}")
+        result = run_train(
+            f"data.root={digits_root}",
+            f"output_dir={run}",
+            "epochs=2",
+            "eval_every=0",
+            "data.num_workers=2",
+            "accelerator.in_process=true",  # the replica in train.py: seconds less per run
+            f"data.in_memory={source}",
+            f"hydra.run.dir={tmp_path}/h-{source}",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "best validation accuracy" not in result.stdout
+        runs[source] = run
+    assert "train split in memory: 1438 of 1438 listed samples" in result.stderr
+    streamed, from_memory = (load_checkpoint(f"{runs[s]}/checkpoints/last.pt") for s in ("false", "true"))
+    for name, tensor in streamed["model"].items():
+        assert torch.equal(from_memory["model"][name], tensor), name  # the same batches, bit for bit
+    assert not storage.exists(f"{runs['true']}/checkpoints/best.pt")  # nothing was evaluated
+    history = metrics(runs["true"])
+    assert [m["epoch"] for m in history] == [0, 1] and not any("val_accuracy" in m for m in history)
+    assert "setup_seconds" in history[0] and all(m["epoch_seconds"] == m["train_seconds"] for m in history)

@@ -41,6 +41,15 @@ def test_a_good_config_prepares_a_plan(prepared):
         ),
         (["data.num_workers=-1"], "num_workers"),
         (["resume=/nonexistent/last.pt"], "resume=/nonexistent/last.pt: no checkpoint"),
+        (["micro_batches=3"], r"micro_batches=3 must divide batch_size=64"),
+        (["micro_batches=0"], "micro_batches must be at least 1"),
+        (["eval_every=-1"], "eval_every must be >= 0"),
+        (["eval_every=0", "early_stop_patience=2"], "early_stop_patience needs validation"),
+        (["optim.reference_batch_size=0"], "optim.reference_batch_size must be at least 1"),
+        (["accelerator=cpu_pod", "strategy=fsdp"], r"strategy=fsdp needs torch_xla's collectives"),
+        (["strategy=fsdp", "debug.check_sync_every=1"], "every replica holds a different shard"),
+        (["debug.profiler_port=70000"], "debug.profiler_port must be a TCP port"),
+        (["xla_cache_dir=gs://bkt/cache"], "the compile cache must be a local folder"),
     ],
 )
 def test_bad_config_is_a_config_error(prepared, overrides, message):

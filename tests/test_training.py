@@ -1,8 +1,8 @@
-"""Trainer pieces that need no XLA device: schedule, scalars, optimizer set-up.
+"""The trainer: schedule, scalars and optimizer set-up in this process; micro-batches,
+bf16 and fsdp in real train.py runs on the XLA CPU device.
 
-The training loop itself runs on the XLA CPU device in test_e2e.py (in its own
-process: an eager backward before an XLA one in one process trips an autograd
-assertion).
+Every XLA run has its own process: an eager backward (these tests run some)
+before an XLA one in one process trips an autograd assertion.
 """
 
 from __future__ import annotations
@@ -10,14 +10,20 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 
+from tests.conftest import run_train
+from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
+from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.models import create_model
 from tpustream.training import (
     LRSchedule,
     RateTracker,
     build_optimizer,
+    peak_learning_rate,
     prime_optimizer_state,
     xla_safe_scalar,
 )
@@ -87,3 +93,124 @@ def test_primed_optimizer_state_gives_the_same_updates_as_lazy_state():
     for name in (OptimizerName.sgd, OptimizerName.adamw):
         for lazy, primed in zip(train_three_steps(name, False), train_three_steps(name, True), strict=True):
             torch.testing.assert_close(lazy, primed, rtol=0, atol=1e-6)
+
+
+def test_linear_scaling_rule_scales_the_peak_with_the_global_batch():
+    cfg = config(OptimizerName.sgd)
+    cfg.batch_size = 128
+    assert peak_learning_rate(cfg, world_size=8) == cfg.optim.lr  # no reference: lr is the peak
+    cfg.optim.reference_batch_size = 256
+    assert peak_learning_rate(cfg, world_size=8) == pytest.approx(cfg.optim.lr * 1024 / 256)
+    assert peak_learning_rate(cfg, world_size=1) == pytest.approx(cfg.optim.lr / 2)
+
+
+def test_weight_decay_groups_use_the_original_shape_of_flat_shards():
+    """FSDP shards are 1-D; the optimizer must still tell weights from norms and biases."""
+    model = small_model()
+    for param in model.parameters():
+        shape = param.shape
+        param.data = param.data.reshape(-1)
+        param._orig_size = shape
+    decay, no_decay = build_optimizer(config(OptimizerName.sgd), model).param_groups
+    assert len(decay["params"]) == 2 and len(no_decay["params"]) == 4
+
+
+# -- on the XLA CPU device: each run is `python train.py` in its own process ----------
+
+# 768 of the 1,438 digits training images: 12 steps of 64 per epoch.
+TRAIN_SUBSET = "train/train-{000000..000002}.tar"
+SUBSET_STEPS = 12
+
+
+def quick_run(root: str, out, *overrides: str) -> tuple[str, str]:
+    """train.py on the subset, in one process, no DataLoader workers; returns (run folder, stderr)."""
+    run = str(out / "run")
+    result = run_train(
+        f"data.root={root}",
+        f"data.train_shards='{root}/{TRAIN_SUBSET}'",  # Hydra needs the braces quoted
+        f"output_dir={run}",
+        f"hydra.run.dir={out / 'hydra'}",
+        "accelerator.in_process=true",
+        "data.num_workers=0",
+        *overrides,
+    )
+    assert result.returncode in (0, PREEMPTED_EXIT_CODE), result.stderr[-3000:]
+    return run, result.stderr
+
+
+def last_state(run: str) -> dict:
+    return load_checkpoint(checkpoint_url(run, "last.pt"))
+
+
+@pytest.mark.slow
+def test_micro_batches_give_the_update_of_one_whole_batch(digits_root, tmp_path):
+    # GroupNorm: with BatchNorm, micro-batches are normalised separately by design.
+    runs = {
+        count: quick_run(
+            digits_root,
+            tmp_path / f"k{count}",
+            "epochs=1",
+            "model.options.norm=group",
+            f"micro_batches={count}",
+        )[0]
+        for count in (1, 4)
+    }
+    whole, micro = last_state(runs[1]), last_state(runs[4])
+    assert whole["global_step"] == micro["global_step"] == SUBSET_STEPS
+    for name, tensor in whole["model"].items():
+        # Float sums in another order, over 12 SGD steps.
+        torch.testing.assert_close(micro["model"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    (whole_metrics,), (micro_metrics,) = read_metrics(runs[1]), read_metrics(runs[4])
+    assert micro_metrics["train_loss"] == pytest.approx(whole_metrics["train_loss"], rel=1e-5)
+    # The 4 micro-batches are unrolled into the one train-step graph: no extra compilation.
+    assert micro_metrics["compilations"] == whole_metrics["compilations"]
+
+
+@pytest.mark.slow
+def test_bf16_computes_in_bfloat16_and_keeps_float32_weights(digits_root, tmp_path):
+    common = ("epochs=2", "optim.reference_batch_size=32")
+    fp32, _ = quick_run(digits_root, tmp_path / "fp32", *common)
+    bf16, stderr = quick_run(digits_root, tmp_path / "bf16", *common, "precision=bf16")
+    assert "peak learning rate 0.2 = 0.1 x global batch 64 / reference batch 32 (linear scaling)" in stderr
+    state = last_state(bf16)
+    assert {t.dtype for t in state["model"].values() if t.is_floating_point()} == {torch.float32}
+    low, full = read_metrics(bf16), read_metrics(fp32)
+    # bfloat16 rounding changes the numbers a little, not the training.
+    assert low[0]["train_loss"] != full[0]["train_loss"]
+    assert low[0]["train_loss"] == pytest.approx(full[0]["train_loss"], rel=0.05)
+    assert low[1]["train_loss"] < low[0]["train_loss"]
+    assert low[1]["compilations"] == low[0]["compilations"]  # all in epoch 1, none after
+
+
+@pytest.mark.slow
+def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_path):
+    straight, _ = quick_run(digits_root, tmp_path / "straight", "strategy=fsdp", "epochs=2")
+    state = last_state(straight)
+    assert state["strategy"] == "fsdp" and state["optimizer"]["world_size"] == 1
+    # The checkpoint holds the whole model, consolidated: it loads into the plain network.
+    plain = create_model("small_cnn", num_classes=10, image_size=32, channels=3)
+    plain.load_state_dict(state["model"])
+
+    # Stopped inside epoch 1 and resumed: the same weights and optimizer state, bit for bit.
+    interrupted = tmp_path / "interrupted"
+    _, stderr = quick_run(
+        digits_root, interrupted, "strategy=fsdp", "epochs=2", f"debug.stop_at_step={SUBSET_STEPS + 5}"
+    )
+    assert "stopped at epoch 1, step 5" in stderr
+    resumed, _ = quick_run(digits_root, interrupted, "strategy=fsdp", "epochs=2")
+    got = last_state(resumed)
+    for name, tensor in state["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    for mine, theirs in zip(
+        got["optimizer"]["shards"][0]["state"].values(),
+        state["optimizer"]["shards"][0]["state"].values(),
+        strict=True,
+    ):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+    # best.pt evaluated by the data-parallel trainer: the accuracy the fsdp run reported.
+    best = max(read_metrics(straight), key=lambda m: m["val_accuracy"])
+    _, stderr = quick_run(
+        digits_root, tmp_path / "eval", "eval_only=true", f"resume={checkpoint_url(straight, 'best.pt')}"
+    )
+    assert f"accuracy={100 * best['val_accuracy']:.2f}% ({best['val_correct']}/359)" in stderr

@@ -39,6 +39,23 @@ class Collectives(str, Enum):
     gloo = "gloo"  # a simulated pod: one process per replica, each its own XLA CPU device, over gloo
 
 
+class Precision(str, Enum):
+    fp32 = "fp32"
+    # Convolutions and matmuls in bfloat16 under torch.autocast on the XLA
+    # device; weights, optimizer state, loss and metrics stay float32.
+    # (XLA_USE_BF16, the old mechanism, is deprecated upstream.)
+    bf16 = "bf16"
+
+
+class Strategy(str, Enum):
+    # Every replica holds the whole model; gradients averaged by xm.optimizer_step.
+    ddp = "ddp"
+    # torch_xla's fully sharded data parallel: parameters, gradients and
+    # optimizer state sharded over the replicas, for models that do not fit
+    # one core. XLA collectives only (not the gloo-simulated pod).
+    fsdp = "fsdp"
+
+
 class OptimizerName(str, Enum):
     sgd = "sgd"
     adamw = "adamw"
@@ -74,6 +91,10 @@ class DataConfig:
     # Random crop after zero-padding by this many pixels (0 = no crop).
     crop_padding: int = 4
     hflip: bool = True
+    # Read and decode the whole split once per replica and serve batches from
+    # memory (shared with the DataLoader workers) instead of streaming shards
+    # every epoch: same batches, no storage reads or decoding after the first.
+    in_memory: bool = False
 
 
 @dataclass
@@ -87,8 +108,12 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.sgd
-    # Peak learning rate for the global batch (batch_size x replicas).
+    # Peak learning rate: for the global batch (batch_size x replicas), or for
+    # reference_batch_size when that is set.
     lr: float = 0.1
+    # Linear scaling rule (Goyal et al. 2017): the peak becomes
+    # lr x global batch / reference_batch_size, reached after the warmup. null = no scaling.
+    reference_batch_size: int | None = None
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 5e-4
@@ -110,10 +135,6 @@ class AcceleratorConfig:
     collectives: Collectives = Collectives.xla
     # Run the single replica inside this process instead of a spawned child (debuggers).
     in_process: bool = False
-    # Persistent XLA compilation cache folder (local); null disables it.
-    compile_cache_dir: str | None = None
-    # Compute in bfloat16 under torch.autocast (weights and optimizer stay float32).
-    bf16: bool = False
 
 
 @dataclass
@@ -143,6 +164,11 @@ class DebugConfig:
     # Act as if SIGTERM arrived when the run reaches this global step (0 = never):
     # rehearses a preemption at a known point.
     stop_at_step: int = 0
+    # Print a compact torch_xla metrics summary each epoch (compilations,
+    # compile time, transfers, CPU fallbacks) and warn when a step recompiles.
+    metrics: bool = False
+    # Start the torch_xla profiler server on this port + local ordinal (0 = off).
+    profiler_port: int = 0
 
 
 @dataclass
@@ -153,8 +179,14 @@ class TrainConfig:
     model: ModelConfig = MISSING
     optim: OptimConfig = MISSING
     accelerator: AcceleratorConfig = MISSING
-    # Per replica; the global batch is batch_size x replicas.
+    # Per replica and optimizer step; the global batch is batch_size x replicas.
     batch_size: int = 64
+    # Split each replica's batch into this many micro-batches whose gradients
+    # are summed before one optimizer step (less activation memory, same
+    # update up to float rounding, except that BatchNorm normalises per micro-batch).
+    micro_batches: int = 1
+    precision: Precision = Precision.fp32
+    strategy: Strategy = Strategy.ddp
     epochs: int = 10
     seed: int = 0
     # Log a training line every this many steps (a host sync only on those steps).
@@ -168,8 +200,19 @@ class TrainConfig:
     # is there (or best.pt if last.pt is damaged);
     # otherwise a checkpoint path or gs:// URL to continue from.
     resume: str | None = "auto"
-    # Stop after this many epochs without a better validation accuracy (0 = never).
+    # Evaluate every this many epochs and after the last one (0 = never: no
+    # best.pt, last.pt only).
+    eval_every: int = 1
+    # Stop after this many evaluations without a better validation accuracy (0 = never).
     early_stop_patience: int = 0
+    # Persistent XLA compilation cache, a local folder (one subfolder per
+    # replica process), so a rerun of the same config skips compiling.
+    # auto: ~/.cache/tpustream/xla on TPU, off on CPU (torch_xla 2.9's CPU
+    # client writes entries it cannot load); null: off.
+    xla_cache_dir: str | None = "auto"
+    # TensorBoard scalars under <output_dir>/tensorboard (gs://: written
+    # locally, uploaded each epoch).
+    tensorboard: bool = True
     # Only evaluate the checkpoint that resume names (or finds) and report.
     eval_only: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -61,6 +61,12 @@ class Runtime(Protocol):
         A collective: every replica calls it at the same point of the program.
         """
 
+    def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
+        """Every replica's state, tensors on the CPU, in rank order, on the master (None elsewhere).
+
+        A collective, for sharded models: each replica holds a different part.
+        """
+
     def rng_state(self) -> int:
         """The device random generator's state (dropout and other device randomness)."""
 
@@ -72,13 +78,14 @@ class Runtime(Protocol):
         """Graphs compiled so far in this process (for recompilation checks)."""
 
 
-def _to_host(value: Any) -> Any:
+def to_host(value: Any) -> Any:
+    """value with every tensor in it copied to the CPU (device tensors are computed first)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
-        return {k: _to_host(v) for k, v in value.items()}
+        return {k: to_host(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_to_host(v) for v in value)
+        return type(value)(to_host(v) for v in value)
     return value
 
 
@@ -149,7 +156,17 @@ class _XlaDevice:
         torch_xla.sync()
         if not self.is_master:
             return None
-        return _to_host(state)
+        return to_host(state)
+
+    def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
+        import torch_xla
+
+        # Cut the graph first, as state_to_host does: copying pending tensors
+        # one by one would compute them in graphs of their own, which XLA may
+        # fuse, and round, differently from the training step's graph.
+        torch_xla.sync()
+        states = self.all_gather_host(tag, to_host(state))
+        return states if self.is_master else None
 
     def rng_state(self) -> int:
         import torch_xla.core.xla_model as xm

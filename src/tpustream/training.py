@@ -3,11 +3,13 @@
 Built once per replica. The step function touches only device tensors; the
 loss is read on the host only at logging steps (through a step closure, after
 the step has run) and metrics are reduced once per epoch. Subclasses change
-one hook (``compute_loss``, ``run_optimizer``, ...) to make a variant.
+one hook (``wrap_model``, ``run_optimizer``, ``model_state``, ...) to make a
+variant: ``FsdpTrainer`` is the fully sharded one (``strategy=fsdp``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -15,6 +17,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpustream import checkpoint, preemption
-from tpustream.config import OptimizerName, Schedule, TrainConfig
+from tpustream import checkpoint, observe, preemption
+from tpustream.config import OptimizerName, Precision, Schedule, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
 from tpustream.data.pipeline import CountingLoader
 from tpustream.errors import StorageError
@@ -69,6 +72,14 @@ class LRSchedule:
         return xla_safe_scalar(self.peak * factor)
 
 
+def peak_learning_rate(cfg: TrainConfig, world_size: int) -> float:
+    """optim.lr, scaled linearly to the global batch when optim.reference_batch_size is set."""
+    reference = cfg.optim.reference_batch_size
+    if not reference:
+        return cfg.optim.lr
+    return cfg.optim.lr * cfg.batch_size * world_size / reference
+
+
 class RateTracker:
     """Samples per second: smoothed since the last report, and since the start.
 
@@ -102,11 +113,16 @@ class RateTracker:
         return (self.total + self.pending) / elapsed if elapsed > 0 else 0.0
 
 
+def original_ndim(param: torch.Tensor) -> int:
+    """Dimensions of a parameter as the model defined it (FSDP shards are flat; they keep the size)."""
+    return len(getattr(param, "_orig_size", param.shape))
+
+
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
     # No weight decay on BatchNorm and bias parameters (standard for ResNets).
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    decay = [p for p in model.parameters() if original_ndim(p) > 1]
+    no_decay = [p for p in model.parameters() if original_ndim(p) <= 1]
     groups = [
         {"params": decay, "weight_decay": o.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -143,8 +159,15 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = zeros()
 
 
+# (verified checkpoint state, where it was read from)
+ResumeFrom = tuple[dict[str, Any], str]
+
+
 class Trainer:
-    """One replica's training: built once per replica, same code on a TPU pod and in the simulation."""
+    """One replica's training (strategy=ddp).
+
+    Built once per replica; the same code on a TPU pod and in the simulation.
+    """
 
     def __init__(
         self,
@@ -154,20 +177,31 @@ class Trainer:
         model: nn.Module,
         train_loader: CountingLoader,
         val_loader: CountingLoader,
+        resume_from: ResumeFrom | None = None,
+        started_at: float | None = None,
     ):
         self.cfg = cfg
         self.config_dict = config_dict
         self.runtime = runtime
-        self.model = model.to(runtime.device)
-        runtime.broadcast_parameters(self.model)  # every replica starts from the master's weights
+        if resume_from is not None:
+            # The whole model's weights, whichever strategy and world size wrote
+            # them; loaded before wrap_model, so a sharding wrapper shards them,
+            # and on the host: copied into XLA parameters in place, they made a
+            # resumed FSDP run drift from the uninterrupted one from its second
+            # step on (torch_xla 2.9, seen here).
+            model.load_state_dict(resume_from[0]["model"])
+        model = model.to(runtime.device)
+        runtime.broadcast_parameters(model)  # every replica starts from the master's weights
+        self.model = self.wrap_model(model)
         self.optimizer = build_optimizer(cfg, self.model)
         prime_optimizer_state(self.optimizer)
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.steps_per_epoch = train_loader.loader.dataset.layout.steps
+        self.peak_lr = peak_learning_rate(cfg, runtime.world_size)
         self.schedule = LRSchedule(
-            peak=cfg.optim.lr,
+            peak=self.peak_lr,
             warmup_steps=max(1, round(cfg.optim.warmup_epochs * self.steps_per_epoch)),
             total_steps=cfg.epochs * self.steps_per_epoch,
             kind=cfg.optim.schedule,
@@ -191,6 +225,39 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.unsaved: list[str] = []
         self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
+        # Process start (train.py) to the first step of this process, once.
+        self.started_at = started_at
+        self.setup_seconds: float | None = None
+        self.replica_rates: list[float] = []
+        self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
+        self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
+        self._train_loops = self._eval_loops = 0
+        if resume_from is not None:
+            self.restore(*resume_from)
+
+    # -- hooks: the strategy -------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """The module the optimizer and the steps use (data parallel: the model itself)."""
+        return model
+
+    def run_optimizer(self) -> None:
+        self.runtime.optimizer_step(self.optimizer)
+
+    def model_and_optimizer_state(self) -> tuple[Any, Any]:
+        """(the whole model's state_dict, the optimizer's); a collective for sharded strategies."""
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
+        if state.get("strategy", Strategy.ddp.value) != self.cfg.strategy.value:
+            log.warning(
+                "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
+                "starts fresh (model weights and training position are restored)",
+                source,
+                state.get("strategy"),
+                self.cfg.strategy.value,
+            )
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
 
     # -- state ------------------------------------------------------------
     def data_plan(self) -> dict[str, int]:
@@ -204,6 +271,7 @@ class Trainer:
         }
 
     def state(self) -> dict[str, Any]:
+        model_state, optimizer_state = self.model_and_optimizer_state()
         return {
             "position": {"epoch": self.epoch, "step": self.step},
             "epoch": self.epoch - 1,  # the last completed (trained and evaluated) epoch
@@ -213,8 +281,9 @@ class Trainer:
             "best_accuracy": self.best_accuracy,
             "best_epoch": self.best_epoch,
             "history": self.history,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "strategy": self.cfg.strategy.value,
             "rng": self._rng_states(),
             "data_plan": self.data_plan(),
             "config": self.config_dict,
@@ -242,8 +311,8 @@ class Trainer:
         self.runtime.set_rng_state(int(rng["xla"]))
 
     def restore(self, state: dict[str, Any], source: str) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Everything but the model weights (loaded before wrapping): optimizer, position, RNGs."""
+        self.load_optimizer_state(state, source)
         self.epoch, self.step = int(state["position"]["epoch"]), int(state["position"]["step"])
         self.global_step = int(state["global_step"])
         self.partial = state["partial"]
@@ -272,35 +341,53 @@ class Trainer:
             self.step, self.partial = 0, None
         log.info("resumed from %s at epoch %d, step %d", source, self.epoch, self.step)
 
-    # -- hooks ------------------------------------------------------------
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy over the global batch's real samples.
+    # -- hooks: the step --------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bfloat16 compute under precision=bf16; weights and the loss stay float32."""
+        return torch.autocast(
+            self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == Precision.bf16
+        )
 
-        Padding and filler samples weigh zero; dividing by the static batch
-        size (not the count of real samples) gives every real sample the same
-        weight 1 / global_batch after xm.optimizer_step averages replicas.
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of a (micro-)batch's real samples, summed and divided by the replica batch.
+
+        Padding and filler samples weigh zero; dividing by the static
+        per-replica batch size (not the count of real samples, nor the
+        micro-batch size) gives every real sample the same weight 1 /
+        global_batch once the micro-batches' gradients are summed and
+        xm.optimizer_step averages replicas.
         """
-        with torch.autocast(
-            self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.accelerator.bf16
-        ):
+        with self.autocast():
             logits = self.model(self.normalize(batch["image"]))
         per_sample = F.cross_entropy(
             logits.float(), batch["label"], reduction="none", label_smoothing=self.cfg.optim.label_smoothing
         )
-        return (per_sample * batch["real"]).sum() / batch["real"].shape[0]
+        return (per_sample * batch["real"]).sum() / self.cfg.batch_size
 
-    def run_optimizer(self) -> None:
-        self.runtime.optimizer_step(self.optimizer)
+    def split_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """micro_batches equal slices of the replica's batch (static shapes: one graph)."""
+        count = self.cfg.micro_batches
+        if count == 1:
+            yield batch
+            return
+        size = self.cfg.batch_size // count
+        for index in range(count):
+            yield {name: tensor.narrow(0, index * size, size) for name, tensor in batch.items()}
 
     def step_fn(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         lr = self.schedule(self.global_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.compute_loss(batch)
-        loss.backward()
+        # Gradients of the micro-batches add up in .grad; the Python loop is
+        # unrolled into the step's one graph.
+        total = None
+        for micro_batch in self.split_micro_batches(batch):
+            loss = self.compute_loss(micro_batch)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
         self.run_optimizer()
-        return loss.detach()
+        return total
 
     # -- loops ------------------------------------------------------------
     def _device_values(self, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
@@ -320,6 +407,19 @@ class Trainer:
             return local
         (votes,) = self.runtime.reduce_host_sum(f"stop-{self.global_step}", [1.0 if local else 0.0])
         return votes > 0
+
+    def _mark_setup_done(self) -> None:
+        """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
+        if self.setup_seconds is None and self.started_at is not None:
+            self.setup_seconds = time.time() - self.started_at
+
+    def _watch_compiles(self, phase: str, step: int, first: bool) -> None:
+        """debug.metrics: warn from a step closure if this step compiled and was not expected to."""
+        if self.watch is None:
+            return
+        if first:
+            self.watch.expect_compile()
+        self.runtime.add_step_closure(self.watch.check, (step, phase))
 
     def _reduced_partial(
         self, loss_sum: torch.Tensor, count: torch.Tensor, filled_before: int, seconds: float
@@ -361,6 +461,9 @@ class Trainer:
         )
         previous_seconds = self.partial["seconds"] if self.partial else 0.0
         previous_filled = self.partial["filled"] if self.partial else 0
+        self._mark_setup_done()
+        first_loop = self._train_loops == 0
+        self._train_loops += 1
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
         save_every = self.cfg.checkpoint.every_n_steps
@@ -372,15 +475,16 @@ class Trainer:
             real_count += (batch["real"] > 0).sum().int()
             tracker.add(batch_size)
             self.global_step += 1
+            self._watch_compiles("train", step, first=first_loop and index == 0)
             if self.global_step == self.cfg.debug.stop_at_step:
                 preemption.request_stop()
             if step % self.cfg.log_steps == 0:
-                self.runtime.add_step_closure(self._log_step, (epoch, step, loss, tracker))
+                self.runtime.add_step_closure(self._log_step, (epoch, step, self.global_step, loss, tracker))
             sync_every = self.cfg.debug.check_sync_every
             if sync_every and self.global_step % sync_every == 0:
                 self.runtime.add_step_closure(self._check_replicas_in_sync, (self.global_step,))
             if step + 1 == self.steps_per_epoch:
-                continue  # the epoch's end saves and checks for stop requests (in evaluation)
+                continue  # the epoch's end saves and checks for stop requests
             stop = (index + 1) % check_every == 0 and self._stop_agreed()
             if stop or (save_every and self.global_step % save_every == 0):
                 # A snapshot: the accumulators keep running either way.
@@ -399,9 +503,10 @@ class Trainer:
             self._write_sample_log(epoch, start_step)
         seconds = time.time() - start + previous_seconds
         loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
-        global_rate, filled = self.runtime.reduce_host_sum(
-            f"train-epoch-{epoch}", [tracker.global_rate(), self.train_loader.filled]
+        per_replica = self.runtime.all_gather_host(
+            f"train-epoch-{epoch}", (tracker.global_rate(), self.train_loader.filled)
         )
+        self.replica_rates = [rate for rate, _ in per_replica]
         count = int(count.item())
         self.partial = None
         self.step = self.steps_per_epoch
@@ -410,8 +515,8 @@ class Trainer:
             "train_samples": count,
             "replica_steps": self.steps_per_epoch,
             "train_seconds": seconds,
-            "global_rate": global_rate,
-            "train_filled": int(filled) + previous_filled,
+            "global_rate": sum(self.replica_rates),
+            "train_filled": sum(filled for _, filled in per_replica) + previous_filled,
             "lr": self.schedule(self.global_step - 1),
         }
 
@@ -456,17 +561,29 @@ class Trainer:
             raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
         log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
 
-    def _log_step(self, epoch: int, step: int, loss: torch.Tensor, tracker) -> None:
-        if self.runtime.is_master or log.isEnabledFor(logging.DEBUG):
-            log.info(
-                "Training Device=%s Epoch=%d Step=%d Loss=%.5f Rate=%.2f GlobalRate=%.2f",
-                self.device_name,
-                epoch,
-                step,
-                loss.item(),
-                tracker.rate(),
-                tracker.global_rate(),
-            )
+    def _log_step(self, epoch: int, step: int, global_step: int, loss: torch.Tensor, tracker) -> None:
+        if not (self.runtime.is_master or log.isEnabledFor(logging.DEBUG)):
+            return
+        value, rate = loss.item(), tracker.rate()
+        log.info(
+            "Training Device=%s Epoch=%d Step=%d Loss=%.5f Rate=%.2f GlobalRate=%.2f",
+            self.device_name,
+            epoch,
+            step,
+            value,
+            rate,
+            tracker.global_rate(),
+        )
+        # The loss of the step that just ran, at the global step it finished.
+        self.tensorboard.scalars(
+            global_step,
+            {"train/loss": value, "train/lr": self.schedule(global_step - 1), "train/rate_master": rate},
+        )
+
+    def should_evaluate(self, epoch: int) -> bool:
+        """eval_every: every N epochs and after the last; never with 0."""
+        every = self.cfg.eval_every
+        return every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == self.cfg.epochs)
 
     @torch.no_grad()
     def evaluate(self, epoch: int, stoppable: bool = True) -> dict[str, float]:
@@ -476,12 +593,13 @@ class Trainer:
         correct, count, loss_sum = self._device_values(
             (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
+        self._mark_setup_done()
+        first_loop = self._eval_loops == 0
+        self._eval_loops += 1
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
         for index, batch in enumerate(self.runtime.device_loader(self.val_loader)):
-            with torch.autocast(
-                self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.accelerator.bf16
-            ):
+            with self.autocast():
                 logits = self.model(self.normalize(batch["image"]))
             real = batch["real"] > 0
             correct += (logits.argmax(dim=1).eq(batch["label"]) & real).sum().int()
@@ -489,6 +607,7 @@ class Trainer:
             loss_sum += (
                 F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
             ).sum()
+            self._watch_compiles("evaluation", index, first=first_loop and index == 0)
             if stoppable and (index + 1) % check_every == 0 and self._stop_agreed():
                 # The epoch's training is saved with it; evaluation reruns on resume.
                 self._save(checkpoint.LAST)
@@ -508,29 +627,29 @@ class Trainer:
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Record metrics; the master writes best.pt on improvement and last.pt always."""
-        improved = metrics["val_accuracy"] > self.best_accuracy
+        evaluated = "val_accuracy" in metrics
+        improved = evaluated and metrics["val_accuracy"] > self.best_accuracy
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
+        metrics["epoch_seconds"] = metrics["train_seconds"] + metrics.get("val_seconds", 0.0)
+        if self.setup_seconds is not None and not any("setup_seconds" in m for m in self.history):
+            metrics["setup_seconds"] = self.setup_seconds
         self.history.append({"epoch": epoch, "wall_time": time.time(), **metrics})
-        # Every replica computes the same reduced numbers; one line per epoch is enough.
-        (log.info if self.runtime.is_master else log.debug)(
-            "Epoch=%d train: loss=%.4f samples=%d (replica steps %d) skipped=%d GlobalRate=%.1f "
-            "time=%.1fs | val: accuracy=%.2f%% (%d/%d) loss=%.4f skipped=%d | best=%.2f%% (epoch %d)",
-            epoch,
-            metrics["train_loss"],
-            metrics["train_samples"],
-            metrics["replica_steps"],
-            metrics["train_filled"],
-            metrics["global_rate"],
-            metrics["train_seconds"],
-            100 * metrics["val_accuracy"],
-            metrics["val_correct"],
-            metrics["val_samples"],
-            metrics["val_loss"],
-            metrics["val_filled"],
-            100 * self.best_accuracy,
-            self.best_epoch,
+        train = (
+            f"Epoch={epoch} train: loss={metrics['train_loss']:.4f} samples={metrics['train_samples']} "
+            f"(replica steps {metrics['replica_steps']}) skipped={metrics['train_filled']} "
+            f"GlobalRate={metrics['global_rate']:.1f} time={metrics['train_seconds']:.1f}s"
         )
+        val = (
+            f"val: accuracy={100 * metrics['val_accuracy']:.2f}% ({metrics['val_correct']}/"
+            f"{metrics['val_samples']}) loss={metrics['val_loss']:.4f} skipped={metrics['val_filled']} | "
+            f"best={100 * self.best_accuracy:.2f}% (epoch {self.best_epoch})"
+            if evaluated
+            else "val: not this epoch (eval_every)"
+        )
+        # Every replica computes the same reduced numbers; one line per epoch is enough.
+        (log.info if self.runtime.is_master else log.debug)("%s | %s", train, val)
+        self._record_epoch_scalars(metrics)
         self.epoch, self.step = epoch + 1, 0
         self.pending_train_metrics = None
         if improved:
@@ -538,6 +657,30 @@ class Trainer:
         self._save(checkpoint.LAST)
         if self.runtime.is_master:
             self._write_run_file(checkpoint.write_metrics, self.history)
+        if self.watch is not None:
+            # The first epoch's end compiles its reductions and checkpoint copies.
+            if epoch == self.history[0]["epoch"]:
+                self.watch.expect_compile()
+            self.watch.check(epoch, "end of epoch")
+            if self.runtime.is_master:
+                log.info("epoch %d: %s", epoch, observe.xla_metrics_summary())
+
+    def _record_epoch_scalars(self, metrics: dict[str, Any]) -> None:
+        """TensorBoard at the epoch's last global step (master only; others hold a null log)."""
+        values = {
+            "epoch/train_loss": metrics["train_loss"],
+            "epoch/lr": metrics["lr"],
+            "epoch/seconds": metrics["epoch_seconds"],
+            "rate/global": metrics["global_rate"],
+            "xla/compilations": metrics["compilations"],
+        }
+        values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(self.replica_rates)})
+        if "val_accuracy" in metrics:
+            values.update(
+                {"epoch/val_accuracy": metrics["val_accuracy"], "epoch/val_loss": metrics["val_loss"]}
+            )
+        self.tensorboard.scalars(self.global_step, values)
+        self.tensorboard.sync()
 
     def _write_run_file(self, writer, content) -> None:
         """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""
@@ -545,6 +688,16 @@ class Trainer:
             writer(self.output_dir, content)
         except StorageError as exc:
             log.warning("could not update the run folder (%s); the checkpoints hold the same data", exc)
+
+    def _open_tensorboard(self) -> None:
+        if not (self.runtime.is_master and self.cfg.tensorboard):
+            return
+        staging = os.path.join(self.cfg.log_dir, "tensorboard") if self.cfg.log_dir else None
+        # A resumed run writes again the steps after its checkpoint's; TensorBoard
+        # hides what the interrupted run wrote for them.
+        self.tensorboard = observe.TensorBoardLog(
+            self.output_dir, staging, purge_step=self.global_step + 1 if self.global_step else None
+        )
 
     def fit(self) -> dict[str, Any]:
         if self.cfg.eval_only:
@@ -561,20 +714,23 @@ class Trainer:
             return {"eval": metrics}
         if self.runtime.is_master:
             self._write_run_file(checkpoint.write_config, self.config_dict)
+            if self.cfg.optim.reference_batch_size:
+                log.info(
+                    "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
+                    "after %d warmup steps",
+                    self.peak_lr,
+                    self.cfg.optim.lr,
+                    self.cfg.batch_size * self.runtime.world_size,
+                    self.cfg.optim.reference_batch_size,
+                    self.schedule.warmup_steps,
+                )
         if self.epoch >= self.cfg.epochs:
             log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.epoch)
-        patience = self.cfg.early_stop_patience
-        while self.epoch < self.cfg.epochs:
-            epoch = self.epoch
-            if self.step < self.steps_per_epoch:
-                self.pending_train_metrics = self.train_epoch(epoch)
-            metrics = {**self.pending_train_metrics, **self.evaluate(epoch)}
-            metrics["compilations"] = self.runtime.compilations()
-            self.on_epoch_end(epoch, metrics)
-            # Every replica sees the same reduced accuracy, so all stop together.
-            if patience and epoch - self.best_epoch >= patience:
-                log.info("early stop: no better accuracy for %d epoch(s)", patience)
-                break
+        self._open_tensorboard()
+        try:
+            self._run_epochs()
+        finally:
+            self.tensorboard.close()
         self.runtime.wait_device_ops()
         if self.unsaved:
             raise StorageError(
@@ -582,3 +738,83 @@ class Trainer:
                 f"kept locally: {', '.join(self.unsaved)}"
             )
         return {"best_accuracy": self.best_accuracy, "best_epoch": self.best_epoch, "history": self.history}
+
+    def _run_epochs(self) -> None:
+        patience = self.cfg.early_stop_patience
+        while self.epoch < self.cfg.epochs:
+            epoch = self.epoch
+            if self.step < self.steps_per_epoch:
+                self.pending_train_metrics = self.train_epoch(epoch)
+            metrics = dict(self.pending_train_metrics)
+            evaluated = self.should_evaluate(epoch)
+            if evaluated:
+                metrics.update(self.evaluate(epoch))
+            metrics["compilations"] = self.runtime.compilations()
+            self.on_epoch_end(epoch, metrics)
+            if not evaluated and self._stop_agreed():
+                # Evaluation is where an epoch's last step looks for stop
+                # requests; without it, look here, after last.pt was written.
+                raise preemption.Preempted(f"stopped after epoch {epoch}")
+            # Every replica sees the same reduced accuracy, so all stop together.
+            if patience and evaluated and epoch - self.best_epoch >= patience:
+                log.info("early stop: no better accuracy for %d epoch(s)", patience)
+                break
+
+
+class FsdpTrainer(Trainer):
+    """strategy=fsdp: torch_xla's FSDP shards parameters, gradients and optimizer state over replicas.
+
+    Checkpoints hold the whole model, consolidated on the master (best.pt loads
+    into the plain model, and resumes under any strategy or world size), and
+    every replica's optimizer shard, used when resuming at the same world size.
+    """
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+        # flatten_parameters=False: one shard per parameter, which keeps its
+        # original size, so build_optimizer can still leave norms and biases
+        # out of weight decay.
+        return XlaFullyShardedDataParallel(model, flatten_parameters=False)
+
+    def run_optimizer(self) -> None:
+        # FSDP reduce-scattered and averaged the gradient shards in backward;
+        # xm.optimizer_step would all-reduce them once more.
+        self.optimizer.step()
+
+    def model_and_optimizer_state(self) -> tuple[Any, Any]:
+        from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+
+        shards = self.runtime.gather_state_to_master(
+            f"fsdp-state-{self.global_step}-{self.step}",
+            {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+        )
+        if shards is None:  # not the master
+            return None, None
+        model = consolidate_sharded_state_dicts([s["model"] for s in shards], self.model.get_shard_metadata())
+        return dict(model), {
+            "world_size": self.runtime.world_size,
+            "shards": [s["optimizer"] for s in shards],
+        }
+
+    def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
+        saved = state["optimizer"]
+        if state.get("strategy") != Strategy.fsdp.value or saved["world_size"] != self.runtime.world_size:
+            log.warning(
+                "%s holds the optimizer state of strategy=%s on %s replica(s); this run is fsdp on %d, "
+                "so the optimizer starts fresh (model weights and training position are restored)",
+                source,
+                state.get("strategy"),
+                saved.get("world_size", "any"),
+                self.runtime.world_size,
+            )
+            return
+        self.optimizer.load_state_dict(saved["shards"][self.runtime.rank])
+
+
+TRAINERS: dict[Strategy, type[Trainer]] = {Strategy.ddp: Trainer, Strategy.fsdp: FsdpTrainer}
+
+
+def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
+    """The trainer class of cfg.strategy, built with Trainer's arguments."""
+    return TRAINERS[cfg.strategy](cfg, *args, **kwargs)

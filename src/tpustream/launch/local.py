@@ -22,8 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tpustream import storage
-from tpustream.checkpoint import BEST, checkpoint_url, load_checkpoint, read_metrics, resolve_resume
-from tpustream.config import Collectives, Device, TrainConfig
+from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint, read_metrics, resolve_resume
+from tpustream.config import Collectives, Device, Strategy, TrainConfig
 from tpustream.data.manifest import ShardManifest, load_manifest
 from tpustream.data.sharding import describe_sharing, plan_layout
 from tpustream.errors import ConfigError, TpustreamError
@@ -46,6 +46,7 @@ class RunPlan:
     train: ShardManifest
     val: ShardManifest
     resume_url: str | None
+    started_at: float | None = None  # when train.py started (time.time()), for set-up time
 
 
 def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
@@ -55,11 +56,31 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and value:
             OmegaConf.update(cfg, key, storage.absolute(value))
-    if cfg.accelerator.compile_cache_dir:
-        cfg.accelerator.compile_cache_dir = storage.absolute(cfg.accelerator.compile_cache_dir)
+    cfg.xla_cache_dir = resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
     typed: TrainConfig = OmegaConf.to_object(cfg)
     plain = OmegaConf.to_container(cfg, enum_to_str=True)
     return typed, plain
+
+
+# Where xla_cache_dir=auto keeps the persistent compile cache on TPU hosts.
+DEFAULT_XLA_CACHE = "~/.cache/tpustream/xla"
+
+
+def resolve_xla_cache_dir(value: str | None, device: Device | str) -> str | None:
+    """xla_cache_dir as a local absolute folder, or None (off).
+
+    auto is on for TPU only: torch_xla 2.9's CPU client writes cache entries
+    it then cannot load ("Deserializing serialized executable not supported",
+    measured in bench/EPOCH_TIME.md), so on CPU a cache costs writes and
+    warnings and saves nothing.
+    """
+    if value is None or value == "":
+        return None
+    if value == "auto":
+        return os.path.expanduser(DEFAULT_XLA_CACHE) if Device(device) == Device.TPU else None
+    if storage.is_gcs(value):
+        raise ConfigError(f"xla_cache_dir={value}: the compile cache must be a local folder")
+    return storage.absolute(os.path.expanduser(value))
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -83,9 +104,40 @@ def check_config(cfg: TrainConfig) -> None:
             f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
             "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
         )
-    for name, value in (("batch_size", cfg.batch_size), ("epochs", cfg.epochs), ("log_steps", cfg.log_steps)):
+    for name, value in (
+        ("batch_size", cfg.batch_size),
+        ("epochs", cfg.epochs),
+        ("log_steps", cfg.log_steps),
+        ("micro_batches", cfg.micro_batches),
+    ):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    if cfg.batch_size % cfg.micro_batches:
+        raise ConfigError(
+            f"micro_batches={cfg.micro_batches} must divide batch_size={cfg.batch_size} "
+            "(every micro-batch has the same shape, so the step compiles once)"
+        )
+    if cfg.eval_every < 0:
+        raise ConfigError(f"eval_every must be >= 0 (0 = never), got {cfg.eval_every}")
+    if cfg.eval_every == 0 and cfg.early_stop_patience:
+        raise ConfigError("early_stop_patience needs validation; eval_every=0 turns it off")
+    if cfg.optim.reference_batch_size is not None and cfg.optim.reference_batch_size < 1:
+        raise ConfigError(
+            f"optim.reference_batch_size must be at least 1, got {cfg.optim.reference_batch_size}"
+        )
+    if not 0 <= cfg.debug.profiler_port < 65536:
+        raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {cfg.debug.profiler_port}")
+    if cfg.strategy == Strategy.fsdp:
+        if acc.collectives == Collectives.gloo:
+            raise ConfigError(
+                "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
+                "pod (accelerator=cpu_pod) runs strategy=ddp only"
+            )
+        if cfg.debug.check_sync_every:
+            raise ConfigError(
+                "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
+                "replica holds a different shard"
+            )
     if cfg.debug.check_sync_every < 0:
         raise ConfigError(f"debug.check_sync_every must be >= 0, got {cfg.debug.check_sync_every}")
     if cfg.data.num_workers < 0:
@@ -118,7 +170,7 @@ def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world
         plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch.value, "train")
 
 
-def prepare(cfg: DictConfig) -> RunPlan:
+def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     """Everything before spawning: resolve, validate, load manifests, find the checkpoint."""
     typed, plain = resolve_config(cfg)
     check_config(typed)
@@ -130,7 +182,13 @@ def prepare(cfg: DictConfig) -> RunPlan:
         raise ConfigError(
             f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
         )
-    return RunPlan(typed, plain, train, val, resume_url)
+    if typed.xla_cache_dir and typed.accelerator.device == Device.CPU:
+        log.warning(
+            "xla_cache_dir=%s on CPU: torch_xla's CPU client cannot load the entries it writes, "
+            "so nothing is saved",
+            typed.xla_cache_dir,
+        )
+    return RunPlan(typed, plain, train, val, resume_url, started_at)
 
 
 def known_world_size(cfg: TrainConfig) -> int | None:
@@ -192,10 +250,15 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
 
 
 def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
+    """The run's history, and its best evaluated epoch (None if nothing was evaluated)."""
     history = read_metrics(output_dir)
     if not history:
         return None
-    return {"history": history, "best": max(history, key=lambda m: m["val_accuracy"])}
+    evaluated = [m for m in history if "val_accuracy" in m]
+    return {
+        "history": history,
+        "best": max(evaluated, key=lambda m: m["val_accuracy"]) if evaluated else None,
+    }
 
 
 def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
@@ -215,7 +278,8 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     import torch
 
     from tpustream.data.pipeline import ShardStream, make_loader
-    from tpustream.training import Trainer
+    from tpustream.observe import start_profiler
+    from tpustream.training import make_trainer
 
     cfg = plan.cfg
     log.info("replica %d of %d on %s (pid %d)", runtime.rank, runtime.world_size, runtime.device, os.getpid())
@@ -241,6 +305,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             on_error=cfg.data.on_error.value,
             crop_padding=cfg.data.crop_padding,
             hflip=cfg.data.hflip,
+            in_memory=cfg.data.in_memory,
         )
 
     train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)
@@ -276,21 +341,39 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     val_loader = make_loader(
         val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init
     )
+    # Keep the server object alive for the whole run: torch_xla stops it when collected.
+    profiler = start_profiler(cfg.debug.profiler_port, runtime.local_rank)
     try:
-        trainer = Trainer(cfg, plan.config_dict, runtime, model, train_loader, val_loader)
-        if plan.resume_url:
-            trainer.restore(load_checkpoint(plan.resume_url), plan.resume_url)
+        resume_from = (load_checkpoint(plan.resume_url), plan.resume_url) if plan.resume_url else None
+        trainer = make_trainer(
+            cfg,
+            plan.config_dict,
+            runtime,
+            model,
+            train_loader,
+            val_loader,
+            resume_from=resume_from,
+            started_at=plan.started_at,
+        )
+        del resume_from  # the checkpoint's tensors: the trainer has what it needs
         summary = trainer.fit()
     finally:
         train_loader.close()
         val_loader.close()
+        del profiler
     if runtime.is_master and not cfg.eval_only:
-        log.info(
-            "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
-            100 * summary["best_accuracy"],
-            summary["best_epoch"],
-            checkpoint_url(cfg.output_dir, BEST),
-        )
+        if summary["best_epoch"] >= 0:
+            log.info(
+                "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
+                100 * summary["best_accuracy"],
+                summary["best_epoch"],
+                checkpoint_url(cfg.output_dir, BEST),
+            )
+        else:
+            log.info(
+                "finished without validation (eval_every=0); checkpoint %s",
+                checkpoint_url(cfg.output_dir, LAST),
+            )
     return summary
 
 
@@ -306,7 +389,7 @@ def replica_main(index: int, plan: RunPlan) -> None:
     if multiprocessing.parent_process() is not None:  # a spawned child, not train.py itself
         exit_with_parent()
     try:
-        run_replica(plan, XlaRuntime(plan.cfg.accelerator.compile_cache_dir))
+        run_replica(plan, XlaRuntime(plan.cfg.xla_cache_dir))
     except Preempted:
         raise  # every replica stopped at the same step after the save: nobody waits for us
     except BaseException as exc:
@@ -382,7 +465,7 @@ def simulated_replica_main(rank: int, plan: RunPlan, world: int, init_method: st
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
     )
     try:
-        run_replica(plan, GlooRuntime(rank, world, plan.cfg.accelerator.compile_cache_dir))
+        run_replica(plan, GlooRuntime(rank, world, plan.cfg.xla_cache_dir))
     except Preempted:
         raise
     except TpustreamError as exc:
