@@ -9,7 +9,10 @@ on the command line. This file only parses the config and launches.
 
 import time
 
-STARTED = time.time()  # before the imports: set-up time counts them (see bench/EPOCH_TIME.md)
+# Set-up time (metrics.jsonl, bench/EPOCH_TIME.md) counts from here, imports
+# included, for the first run of this process; the later jobs of a Hydra
+# multirun run in the same process and count from their own start.
+PROCESS_START = [time.time()]
 
 import logging
 import sys
@@ -19,7 +22,7 @@ from omegaconf import DictConfig
 
 from tpustream.config import register_configs
 from tpustream.errors import PREEMPTED_EXIT_CODE, TpustreamError
-from tpustream.launch import launch, prepare
+from tpustream.launch import describe_result, launch, prepare
 from tpustream.preemption import Preempted, install_stop_handlers
 
 log = logging.getLogger("train")
@@ -35,9 +38,10 @@ if __name__ == "__mp_main__":
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    started = PROCESS_START.pop() if PROCESS_START else time.time()
     install_stop_handlers()  # this process waits for its replicas, and reports
     try:
-        result = launch(prepare(cfg, started_at=STARTED))
+        result = launch(prepare(cfg, started_at=started))
     except Preempted as exc:
         log.warning(
             "preempted (%s); progress is in %s/checkpoints/last.pt: run the same command to continue",
@@ -48,14 +52,8 @@ def main(cfg: DictConfig) -> None:
     except TpustreamError as exc:
         log.error("%s", exc)
         sys.exit(2)
-    if result and result["best"] and not cfg.eval_only:  # None when nothing was evaluated
-        best = result["best"]
-        print(
-            f"best validation accuracy {100 * best['val_accuracy']:.2f}% "
-            f"({best['val_correct']}/{best['val_samples']}) at epoch {best['epoch']}; "
-            f"checkpoints in {cfg.output_dir}",
-            flush=True,
-        )
+    if result and not cfg.eval_only:
+        print(describe_result(result, cfg.output_dir), flush=True)
 
 
 if __name__ == "__main__":

@@ -231,7 +231,8 @@ class Trainer:
         self.replica_rates: list[float] = []
         self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
         self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
-        self._train_loops = self._eval_loops = 0
+        # Loops and epoch ends this process has run: the first of each compiles.
+        self._train_loops = self._eval_loops = self._epoch_ends = 0
         if resume_from is not None:
             self.restore(*resume_from)
 
@@ -632,7 +633,9 @@ class Trainer:
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
         metrics["epoch_seconds"] = metrics["train_seconds"] + metrics.get("val_seconds", 0.0)
-        if self.setup_seconds is not None and not any("setup_seconds" in m for m in self.history):
+        first_end = self._epoch_ends == 0
+        self._epoch_ends += 1
+        if first_end and self.setup_seconds is not None:
             metrics["setup_seconds"] = self.setup_seconds
         self.history.append({"epoch": epoch, "wall_time": time.time(), **metrics})
         train = (
@@ -659,7 +662,7 @@ class Trainer:
             self._write_run_file(checkpoint.write_metrics, self.history)
         if self.watch is not None:
             # The first epoch's end compiles its reductions and checkpoint copies.
-            if epoch == self.history[0]["epoch"]:
+            if first_end:
                 self.watch.expect_compile()
             self.watch.check(epoch, "end of epoch")
             if self.runtime.is_master:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["RunPlan", "launch", "prepare", "resolve_config"]
+__all__ = ["RunPlan", "describe_result", "launch", "prepare", "resolve_config"]
 
 if TYPE_CHECKING:
-    from tpustream.launch.local import RunPlan, launch, prepare, resolve_config
+    from tpustream.launch.local import RunPlan, describe_result, launch, prepare, resolve_config
 
 
 def __getattr__(name: str) -> Any:

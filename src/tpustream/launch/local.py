@@ -261,6 +261,17 @@ def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
     }
 
 
+def describe_result(result: dict[str, Any], output_dir: str) -> str:
+    """train.py's last line: the best evaluated epoch, and where the checkpoints are."""
+    best = result["best"]
+    if best is None:  # eval_every=0
+        return f"{len(result['history'])} epoch(s), no validation; checkpoints in {output_dir}"
+    return (
+        f"best validation accuracy {100 * best['val_accuracy']:.2f}% "
+        f"({best['val_correct']}/{best['val_samples']}) at epoch {best['epoch']}; checkpoints in {output_dir}"
+    )
+
+
 def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
     """DataLoader worker_init_fn: logging, and no death by SIGTERM.
 
