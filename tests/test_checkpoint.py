@@ -85,6 +85,19 @@ def test_only_the_master_writes_but_everyone_waits(tmp_path):
     assert not (tmp_path / "x.pt").exists() and worker.barriers
 
 
+def test_bfloat16_weights_come_back_as_bfloat16_bit_for_bit(tmp_path):
+    """No float32 round trip on the way (xm.save under XLA_USE_BF16 used to convert)."""
+    model = torch.nn.Linear(7, 3).to(torch.bfloat16)
+    state = {**sample_state(), "model": model.state_dict()}
+    save_checkpoint(HostRuntime(), str(tmp_path / "bf16.pt"), state)
+    loaded = load_checkpoint(str(tmp_path / "bf16.pt"))["model"]
+    assert {t.dtype for t in loaded.values()} == {torch.bfloat16}
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    fresh = torch.nn.Linear(7, 3).to(torch.bfloat16)
+    fresh.load_state_dict(loaded)
+    assert fresh.weight.dtype == torch.bfloat16 and torch.equal(fresh.weight, model.weight)
+
+
 def flip_byte_in_tensor_data(data: bytes) -> bytes:
     marker = torch.arange(1000.0)[500:501].numpy().tobytes()  # the float 500.0, inside the tensor
     index = data.index(marker)
