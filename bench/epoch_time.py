@@ -2,7 +2,7 @@
 
 Reproduce (from the repository root):
 
-    # the CPU sweep of bench/EPOCH_TIME.md (small_cnn on digits; about 15 minutes on 2 cores)
+    # the CPU sweep of bench/EPOCH_TIME.md (small_cnn on digits; about 11 minutes on 2 cores)
     python scripts/make_shards.py digits data/digits
     .venv/bin/python bench/epoch_time.py --batch-sizes 32 64 128 256 --epochs 4 --cold-warm 128
     # the seed experiment on one TPU VM host (see bench/EPOCH_TIME.md for the full command)
@@ -10,6 +10,9 @@ Reproduce (from the repository root):
         model=wrn_seed data=cifar100 data.root=gs://BUCKET/cifar100 accelerator=tpu precision=bf16
     # print the plan and the commands, run nothing
     .venv/bin/python bench/epoch_time.py --batch-sizes 32 64 --dry-run -- model=small_cnn
+    # or sweep with Hydra's multirun and report the finished runs the same way
+    python train.py -m batch_size=32,64,128 eval_every=1,0 epochs=4 hydra.sweep.dir=multirun/bs
+    .venv/bin/python bench/epoch_time.py --collect multirun/bs
 
 Every run is `python train.py <overrides>`, the command users run, in its own
 process: the overrides after `--` (any Hydra override of conf/), then
@@ -18,6 +21,9 @@ cache key, and `output_dir=<run folder> resume=null hydra.run.dir=<run folder>`.
 The harness is the sweep: do not pass `-m`/`--multirun`, and do not set the keys
 it sets itself (it refuses, naming the key). Every run's overrides are composed
 with Hydra before the first run starts, so a typo costs a second, not a sweep.
+--collect DIR instead reports runs that train.py made elsewhere (a Hydra
+multirun, runs on a TPU host): every folder below DIR with .hydra/config.yaml,
+labelled by the switches whose settings differ between them.
 
 Switches (a run is the base overrides + a batch size + one combination):
 
@@ -463,6 +469,75 @@ def run_one(spec: RunSpec, folder: Path, timeout: float | None, keep_checkpoints
     return result
 
 
+# ------------------------------------------------------------------- collect
+
+
+def setting_of(switch: Switch, cfg: Any) -> str:
+    """Which setting of switch a run's resolved config has: its name, or NOT_SET for neither."""
+    from omegaconf import OmegaConf
+
+    for setting in (switch.baseline, switch.flipped):
+        values = [override.split("=", 1) for override in setting.overrides]
+        if all(str(OmegaConf.select(cfg, key)).lower() == value.lower() for key, value in values):
+            return setting.name
+    return NOT_SET
+
+
+def collect_runs(folders: Sequence[Path]) -> tuple[list[RunResult], Any]:
+    """Finished train.py runs below folders, one RunResult each, and the first run's config.
+
+    A run is a folder with Hydra's .hydra/config.yaml, as every train.py run
+    leaves, for instance each job of a multirun sweep
+    (`python train.py -m batch_size=32,64,128 eval_every=0,1`). Its
+    metrics.jsonl is read from the run folder, or from its output_dir when
+    that was set to another place (a bucket). The switches whose setting
+    differs between the runs label them, as in a sweep of this harness.
+    """
+    from omegaconf import OmegaConf
+
+    from tpustream import storage
+
+    jobs = sorted({path.parent.parent for folder in folders for path in folder.rglob(".hydra/config.yaml")})
+    if not jobs:
+        raise SystemExit(f"no train.py runs (.hydra/config.yaml) below {', '.join(map(str, folders))}")
+    loaded = []
+    for job in jobs:
+        cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        overrides = [str(o) for o in OmegaConf.load(overrides_file)] if overrides_file.exists() else []
+        output_dir = OmegaConf.to_container(cfg, resolve=False).get("output_dir")
+        # ${hydra:runtime.output_dir} (the default) is the job folder itself.
+        metrics = (
+            str(job / "metrics.jsonl")
+            if not output_dir or "${" in str(output_dir)
+            else storage.join(str(output_dir), "metrics.jsonl")
+        )
+        loaded.append((job, cfg, overrides, metrics))
+    labels = {name: [setting_of(switch, cfg) for _, cfg, _, _ in loaded] for name, switch in SWITCHES.items()}
+    varied = [name for name in SWITCHES if len(set(labels[name])) > 1]
+    results = []
+    common = os.path.commonpath([str(job) for job in jobs]) if len(jobs) > 1 else str(jobs[0].parent)
+    for index, (job, cfg, overrides, metrics) in enumerate(loaded):
+        settings = tuple((name, labels[name][index]) for name in varied)
+        name = os.path.relpath(job, common)
+        spec = RunSpec(name, int(cfg.batch_size), settings, "off", tuple(overrides))
+        result = RunResult(spec, ["python", "train.py", *overrides], job, returncode=0)
+        try:
+            records = [json.loads(line) for line in storage.read_bytes(metrics).decode().splitlines() if line]
+        except Exception as exc:  # missing file, unreachable bucket: the run is reported, not the sweep
+            records, result.error = [], f"no metrics: {exc}"
+        if records:
+            result.summary = summarize(records)
+        elif not result.error:
+            result.error = "metrics.jsonl has no epochs"
+        stderr = job / "train.log"  # Hydra's job log: train.py's own lines
+        result.deserialize_failures = (
+            stderr.read_text(errors="replace").count(DESERIALIZE_FAILURE) if stderr.exists() else 0
+        )
+        results.append(result)
+    return results, loaded[0][1]
+
+
 # -------------------------------------------------------------------- report
 
 
@@ -796,6 +871,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints/")
     parser.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
+    parser.add_argument(
+        "--collect",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: report the finished train.py runs below DIR (e.g. a Hydra multirun folder)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args(argv)
     if args.epochs < 1:
@@ -805,12 +887,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.cold_warm is not None and not args.cold_warm:
         args.cold_warm = list(args.batch_sizes)
     args.cold_warm = args.cold_warm or []
+    if args.collect and (args.overrides or args.dry_run or args.cold_warm):
+        parser.error("--collect reports finished runs: no overrides, --dry-run or --cold-warm with it")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["python", os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])
+    if args.collect:
+        return report_collected(args, command)
     key = cache_key()
     plan_args = dict(
         epochs=args.epochs, extra=args.overrides, full=args.full, cold_warm=args.cold_warm, cache=key
@@ -848,45 +934,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     finished = datetime.datetime.now().astimezone()
 
     loads = [r.other_load for r in results if not math.isnan(r.other_load)]
-
-    def methods(key: str) -> str:
-        return ", ".join(sorted({r.summary[key] for r in results if r.summary})) or "n/a"
-
-    title = f"Epoch time: {name}, {args.epochs} epochs per run"
     notes = [
         f"Command: `{command}`  ",
         f"Measured {started:%Y-%m-%d %H:%M}-{finished:%H:%M %Z} on {os.cpu_count()} CPUs "
         f"({platform.machine()}); other programs used {statistics.fmean(loads) if loads else math.nan:.2f} "
         f"cores on average during the runs (max {max(loads, default=math.nan):.2f}; per run in runs.csv).  ",
-        f"Set-up measured as: {methods('setup_method')}; epoch time from: {methods('epoch_time_method')}.",
+        f"Set-up measured as: {setup_methods(results)}; epoch time from: {epoch_methods(results)}.",
     ]
+    sweep = {
+        "command": command,
+        "started": started.isoformat(),
+        "finished": finished.isoformat(),
+        "overrides": args.overrides,
+        "batch_sizes": args.batch_sizes,
+        "epochs": args.epochs,
+        "switches": {
+            s: {"baseline": vars(SWITCHES[s].baseline), "flipped": vars(SWITCHES[s].flipped)}
+            for s in args.switches
+        },
+        "full": args.full,
+        "cold_warm": args.cold_warm,
+        "cache_key": key,
+    }
+    title = f"Epoch time: {name}, {args.epochs} epochs per run"
+    return write_report(results, out, title, notes, sweep, f"{name}: {args.epochs} epochs per run")
+
+
+def setup_methods(results: Sequence[RunResult]) -> str:
+    return ", ".join(sorted({r.summary["setup_method"] for r in results if r.summary})) or "n/a"
+
+
+def epoch_methods(results: Sequence[RunResult]) -> str:
+    return ", ".join(sorted({r.summary["epoch_time_method"] for r in results if r.summary})) or "n/a"
+
+
+def report_collected(args: argparse.Namespace, command: str) -> int:
+    """--collect: the same report for runs made elsewhere (a Hydra multirun, runs on a TPU host)."""
+    results, cfg = collect_runs(args.collect)
+    name = args.name or default_name(cfg)
+    out = (args.out or REPO / "bench" / "results" / "epoch_time" / name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    epochs = sorted({r.summary["epochs"] for r in results if r.summary})
+    varied = sorted({switch for r in results for switch, _ in r.spec.settings})
+    notes = [
+        f"Command: `{command}`  ",
+        f"Collected {len(results)} finished train.py run(s) from {', '.join(map(str, args.collect))}; "
+        "the load from other programs was not measured.  ",
+        f"Switches told apart by the runs' configs: {', '.join(varied) or 'none'}.  ",
+        f"Set-up measured as: {setup_methods(results)}; epoch time from: {epoch_methods(results)}. In a "
+        "Hydra multirun every job after the first runs in the same process: its set-up starts at its own "
+        "start and leaves out the imports the first job paid for.",
+    ]
+    sweep = {"command": command, "collected": [str(folder) for folder in args.collect], "runs": len(results)}
+    per_run = "/".join(map(str, epochs)) or "?"
+    title = f"Epoch time: {name}, {per_run} epochs per run (collected)"
+    return write_report(results, out, title, notes, sweep, f"{name}: {per_run} epochs per run (collected)")
+
+
+def write_report(
+    results: Sequence[RunResult], out: Path, title: str, notes: Sequence[str], sweep: dict, plot_title: str
+) -> int:
+    """runs.csv, table.md, the plots and sweep.json in out; 1 if any run failed."""
     write_csv(results, out / "runs.csv")
     write_table(results, out / "table.md", title, notes)
     written = [out / "runs.csv", out / "table.md"]
     if any(r.ok and r.spec.cache == "off" for r in results):
-        written += plot(results, out, f"{name}: {args.epochs} epochs per run, {os.cpu_count()} CPUs")
-    (out / "sweep.json").write_text(
-        json.dumps(
-            {
-                "command": command,
-                "started": started.isoformat(),
-                "finished": finished.isoformat(),
-                "overrides": args.overrides,
-                "batch_sizes": args.batch_sizes,
-                "epochs": args.epochs,
-                "switches": {
-                    s: {"baseline": vars(SWITCHES[s].baseline), "flipped": vars(SWITCHES[s].flipped)}
-                    for s in args.switches
-                },
-                "full": args.full,
-                "cold_warm": args.cold_warm,
-                "cache_key": key,
-                "environment": environment(),
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+        written += plot(results, out, f"{plot_title}, {os.cpu_count()} CPUs")
+    (out / "sweep.json").write_text(json.dumps({**sweep, "environment": environment()}, indent=1) + "\n")
     written.append(out / "sweep.json")
     print((out / "table.md").read_text())
     print("wrote " + ", ".join(str(p) for p in written))

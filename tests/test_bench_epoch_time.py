@@ -293,6 +293,54 @@ def test_sweep_end_to_end_on_the_xla_cpu_device(digits_root, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hydra_multirun_of_train_py_is_collected_into_the_same_report(digits_root, tmp_path):
+    sweep = tmp_path / "multirun"
+    multirun = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "eval_every=1,0",
+            "batch_size=128",
+            "epochs=2",
+            f"data.root={digits_root}",
+            f"data.train_shards='{digits_root}/train/train-{{000000..000001}}.tar'",
+            "data.num_workers=0",
+            "accelerator.in_process=true",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO),
+    )
+    assert multirun.returncode == 0, multirun.stderr[-3000:]
+    out = tmp_path / "report"
+    done = run_harness("--collect", str(sweep), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    with open(out / "runs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["name"], r["batch_size"], r["validation"], r["status"]) for r in rows] == [
+        ("0", "128", "on", "ok"),
+        ("1", "128", "off", "ok"),
+    ]
+    for row in rows:
+        assert row["setup_method"] == "reported" and float(row["setup_s"]) > 0
+        assert len(row["epoch_seconds"].split(";")) == 2 and int(row["compilations"]) > 0
+    # The second job ran in the first one's process: its set-up starts at its own start.
+    assert float(rows[1]["setup_s"]) < float(rows[0]["setup_s"])
+    table = (out / "table.md").read_text()
+    assert "| batch 128, baseline |" in table and "| batch 128, validation off |" in table
+    assert "(collected)" in table
+
+
+def test_collect_names_a_folder_without_runs(tmp_path):
+    with pytest.raises(SystemExit, match="no train.py runs"):
+        epoch_time.main(["--collect", str(tmp_path)])
+
+
+@pytest.mark.slow
 def test_a_failed_run_is_reported_with_its_command_and_stderr(tmp_path):
     out = tmp_path / "sweep"
     done = run_harness(
