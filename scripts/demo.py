@@ -47,7 +47,7 @@ def main() -> int:
         if subprocess.call(command) != 0:
             return 1
         print(f"\nobjects in {run}:")
-        for folder in (run, storage.join(run, "checkpoints")):
+        for folder in (run, storage.join(run, "checkpoints"), storage.join(run, "tensorboard")):
             for name in storage.list_names(folder):
                 url = storage.join(folder, name)
                 print(f"  {url}  ({len(storage.read_bytes(url)):,} bytes)")
