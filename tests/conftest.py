@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -135,6 +136,13 @@ def numbered_samples(start: int, count: int, size: int = 8) -> list[tuple[str, d
         (f"{i:06d}", {"png": png_bytes(solid_image(i % 256, size)), "cls": str(i % 10).encode()})
         for i in range(start, start + count)
     ]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def train_command(*overrides: str) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_train, train_command
+from tests.conftest import REPO, free_port, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
 
@@ -28,7 +28,14 @@ def metrics(run: str) -> list[dict]:
 def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_path):
     run = f"{digits_bucket}/runs/e2e"
     common = [f"data.root={digits_bucket}/digits", f"output_dir={run}", "data.num_workers=2"]
-    first = run_train(*common, "epochs=4", "debug.metrics=true", f"hydra.run.dir={tmp_path}/h1")
+    port = free_port()
+    first = run_train(
+        *common,
+        "epochs=4",
+        "debug.metrics=true",
+        f"debug.profiler_port={port}",
+        f"hydra.run.dir={tmp_path}/h1",
+    )
     assert first.returncode == 0, first.stderr[-3000:]
 
     assert {"config.yaml", "metrics.jsonl"} <= set(storage.list_names(run))
@@ -56,6 +63,7 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     summaries = re.findall(r"epoch \d: XLA: (\d+) compilations", log)
     assert summaries == [str(history[0]["compilations"])] * 4
     assert "XLA compiled" not in log
+    assert f"XLA profiler listening on port {port}" in log  # port + local ordinal 0
     # TensorBoard, written locally and uploaded to the bucket each epoch.
     scalars = bucket_scalars(run, tmp_path / "tb1")
     assert [step for step, _ in scalars["epoch/val_accuracy"]] == [23, 46, 69, 92]

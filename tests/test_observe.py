@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.conftest import REPO, free_port
 from tpustream import storage
 from tpustream.observe import (
     NullTensorBoardLog,
@@ -22,8 +23,6 @@ from tpustream.observe import (
     XlaMetrics,
     format_bytes,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def read_scalars(folder: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -43,12 +42,6 @@ def values_at(step: int) -> dict[str, float]:
 
 def expected_scalars(steps: range) -> dict[str, list[tuple[int, float]]]:
     return {name: [(step, values_at(step)[name]) for step in steps] for name in values_at(0)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- TensorBoard --------------------------------------------------------------
