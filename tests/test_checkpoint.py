@@ -167,6 +167,7 @@ def test_run_folder_files(output_dir):
 def test_config_fingerprint_ignores_what_a_resumed_run_may_change():
     base = {"epochs": 10, "output_dir": "a", "optim": {"lr": 0.1}, "debug": {"stop_at_step": 0}}
     assert config_fingerprint(base) == config_fingerprint(
-        {**base, "epochs": 20, "output_dir": "b", "debug": {}}
+        {**base, "epochs": 20, "output_dir": "b", "debug": {}, "eval_every": 5, "xla_cache_dir": "/c"}
     )
+    assert config_fingerprint(base) != config_fingerprint({**base, "micro_batches": 2})
     assert config_fingerprint(base) != config_fingerprint({**base, "optim": {"lr": 0.2}})

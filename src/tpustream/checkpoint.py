@@ -39,7 +39,8 @@ LAST = "last.pt"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 CHECKPOINT_VERSION = 2
-# Keys whose change on resume is expected (longer runs, new folders, debugging).
+# Keys whose change on resume is expected (longer runs, new folders, debugging,
+# how often to evaluate, what to watch): none of them changes the training.
 FINGERPRINT_IGNORES = (
     "epochs",
     "output_dir",
@@ -48,6 +49,9 @@ FINGERPRINT_IGNORES = (
     "eval_only",
     "debug",
     "early_stop_patience",
+    "eval_every",
+    "xla_cache_dir",
+    "tensorboard",
 )
 
 
