@@ -184,7 +184,11 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_weights(digits_root, tmp_pa
 
 @pytest.mark.slow
 def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_path):
-    straight, _ = quick_run(digits_root, tmp_path / "straight", "strategy=fsdp", "epochs=2")
+    # Units of 2,000+ parameters: the second and third conv stages get their own
+    # (nested) FSDP unit, the rest stays in the root's.
+    fsdp = ("strategy=fsdp", "fsdp_wrap_min_params=2000")
+    straight, stderr = quick_run(digits_root, tmp_path / "straight", *fsdp, "epochs=2")
+    assert "FSDP units: 3" in stderr
     state = last_state(straight)
     assert state["strategy"] == "fsdp" and state["optimizer"]["world_size"] == 1
     # The checkpoint holds the whole model, consolidated: it loads into the plain network.
@@ -194,10 +198,10 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
     # Stopped inside epoch 1 and resumed: the same weights and optimizer state, bit for bit.
     interrupted = tmp_path / "interrupted"
     _, stderr = quick_run(
-        digits_root, interrupted, "strategy=fsdp", "epochs=2", f"debug.stop_at_step={SUBSET_STEPS + 5}"
+        digits_root, interrupted, *fsdp, "epochs=2", f"debug.stop_at_step={SUBSET_STEPS + 5}"
     )
     assert "stopped at epoch 1, step 5" in stderr
-    resumed, _ = quick_run(digits_root, interrupted, "strategy=fsdp", "epochs=2")
+    resumed, _ = quick_run(digits_root, interrupted, *fsdp, "epochs=2")
     got = last_state(resumed)
     for name, tensor in state["model"].items():
         assert torch.equal(got["model"][name], tensor), name

@@ -187,6 +187,10 @@ class TrainConfig:
     micro_batches: int = 1
     precision: Precision = Precision.fp32
     strategy: Strategy = Strategy.ddp
+    # strategy=fsdp: every submodule holding at least this many parameters not
+    # yet wrapped becomes its own FSDP unit, gathered whole only while it runs
+    # (ZeRO-3), so a core never holds all the weights at once; 0 = one unit.
+    fsdp_wrap_min_params: int = 1_000_000
     epochs: int = 10
     seed: int = 0
     # Log a training line every this many steps (a host sync only on those steps).

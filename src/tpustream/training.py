@@ -10,6 +10,7 @@ variant: ``FsdpTrainer`` is the fully sharded one (``strategy=fsdp``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -774,11 +775,24 @@ class FsdpTrainer(Trainer):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+        from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
+        minimum = self.cfg.fsdp_wrap_min_params
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=minimum) if minimum else None
         # flatten_parameters=False: one shard per parameter, which keeps its
         # original size, so build_optimizer can still leave norms and biases
         # out of weight decay.
-        return XlaFullyShardedDataParallel(model, flatten_parameters=False)
+        wrapped = XlaFullyShardedDataParallel(model, flatten_parameters=False, auto_wrap_policy=policy)
+        if self.runtime.is_master:
+            units = sum(isinstance(m, XlaFullyShardedDataParallel) for m in wrapped.modules())
+            log.info(
+                "strategy=fsdp: FSDP units: %d (submodules of %d+ parameters, and the rest), "
+                "parameters sharded over %d replica(s)",
+                units,
+                minimum,
+                self.runtime.world_size,
+            )
+        return wrapped
 
     def run_optimizer(self) -> None:
         # FSDP reduce-scattered and averaged the gradient shards in backward;
