@@ -809,21 +809,34 @@ class FsdpTrainer(Trainer):
         if shards is None:  # not the master
             return None, None
         model = consolidate_sharded_state_dicts([s["model"] for s in shards], self.model.get_shard_metadata())
-        return dict(model), {
+        optimizer = {
             "world_size": self.runtime.world_size,
+            "layout": self.shard_layout(),
             "shards": [s["optimizer"] for s in shards],
         }
+        return dict(model), optimizer
+
+    def shard_layout(self) -> list[str]:
+        """The sharded parameters in optimizer order: optimizer shards fit only the same layout."""
+        return [name for name, _ in self.model.named_parameters()]
 
     def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
         saved = state["optimizer"]
-        if state.get("strategy") != Strategy.fsdp.value or saved["world_size"] != self.runtime.world_size:
+        fits = (
+            state.get("strategy") == Strategy.fsdp.value
+            and saved["world_size"] == self.runtime.world_size
+            and saved["layout"] == self.shard_layout()
+        )
+        if not fits:
             log.warning(
-                "%s holds the optimizer state of strategy=%s on %s replica(s); this run is fsdp on %d, "
-                "so the optimizer starts fresh (model weights and training position are restored)",
+                "%s holds the optimizer state of strategy=%s on %s replica(s), sharded another way or "
+                "for another world size; this run is fsdp on %d with fsdp_wrap_min_params=%d, so the "
+                "optimizer starts fresh (model weights and training position are restored)",
                 source,
                 state.get("strategy"),
                 saved.get("world_size", "any"),
                 self.runtime.world_size,
+                self.cfg.fsdp_wrap_min_params,
             )
             return
         self.optimizer.load_state_dict(saved["shards"][self.runtime.rank])
