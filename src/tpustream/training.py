@@ -3,7 +3,7 @@
 Built once per replica. The step function touches only device tensors; the
 loss is read on the host only at logging steps (through a step closure, after
 the step has run) and metrics are reduced once per epoch. Subclasses change
-one hook (``wrap_model``, ``run_optimizer``, ``model_state``, ...) to make a
+one hook (``wrap_model``, ``run_optimizer``, ``model_and_optimizer_state``, ...) to make a
 variant: ``FsdpTrainer`` is the fully sharded one (``strategy=fsdp``).
 """
 
@@ -232,8 +232,9 @@ class Trainer:
         self.replica_rates: list[float] = []
         self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
         self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
-        # Loops and epoch ends this process has run: the first of each compiles.
-        self._train_loops = self._eval_loops = self._epoch_ends = 0
+        # What this process has run at least once (training, evaluation, an
+        # epoch end): the first of each compiles its graphs.
+        self._ran_once: set[str] = set()
         if resume_from is not None:
             self.restore(*resume_from)
 
@@ -410,6 +411,12 @@ class Trainer:
         (votes,) = self.runtime.reduce_host_sum(f"stop-{self.global_step}", [1.0 if local else 0.0])
         return votes > 0
 
+    def _first_time(self, what: str) -> bool:
+        """Whether this process reaches `what` for the first time (and remember that it has)."""
+        first = what not in self._ran_once
+        self._ran_once.add(what)
+        return first
+
     def _mark_setup_done(self) -> None:
         """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
         if self.setup_seconds is None and self.started_at is not None:
@@ -464,8 +471,7 @@ class Trainer:
         previous_seconds = self.partial["seconds"] if self.partial else 0.0
         previous_filled = self.partial["filled"] if self.partial else 0
         self._mark_setup_done()
-        first_loop = self._train_loops == 0
-        self._train_loops += 1
+        first_loop = self._first_time("train")
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
         save_every = self.cfg.checkpoint.every_n_steps
@@ -596,8 +602,7 @@ class Trainer:
             (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
         self._mark_setup_done()
-        first_loop = self._eval_loops == 0
-        self._eval_loops += 1
+        first_loop = self._first_time("evaluation")
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
         for index, batch in enumerate(self.runtime.device_loader(self.val_loader)):
@@ -634,8 +639,7 @@ class Trainer:
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
         metrics["epoch_seconds"] = metrics["train_seconds"] + metrics.get("val_seconds", 0.0)
-        first_end = self._epoch_ends == 0
-        self._epoch_ends += 1
+        first_end = self._first_time("epoch end")
         if first_end and self.setup_seconds is not None:
             metrics["setup_seconds"] = self.setup_seconds
         self.history.append({"epoch": epoch, "wall_time": time.time(), **metrics})
