@@ -450,12 +450,9 @@ def run_one(spec: RunSpec, folder: Path, timeout: float | None, keep_checkpoints
     result.stderr_tail = tail(stderr)
     result.stdout_tail = tail(folder / "stdout.log", STDOUT_TAIL_LINES)
     result.deserialize_failures = stderr.read_text(errors="replace").count(DESERIALIZE_FAILURE)
-    metrics = folder / "metrics.jsonl"
-    records = (
-        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if metrics.exists()
-        else []
-    )
+    from tpustream.checkpoint import read_metrics  # after the measurements: it imports torch
+
+    records = read_metrics(str(folder))
     if result.returncode is None:
         result.error = f"timed out after {timeout:g} s"
     elif result.returncode != 0:
@@ -495,7 +492,8 @@ def collect_runs(folders: Sequence[Path]) -> tuple[list[RunResult], Any]:
     """
     from omegaconf import OmegaConf
 
-    from tpustream import storage
+    from tpustream.checkpoint import read_metrics
+    from tpustream.errors import TpustreamError
 
     jobs = sorted({path.parent.parent for folder in folders for path in folder.rglob(".hydra/config.yaml")})
     if not jobs:
@@ -507,29 +505,25 @@ def collect_runs(folders: Sequence[Path]) -> tuple[list[RunResult], Any]:
         overrides = [str(o) for o in OmegaConf.load(overrides_file)] if overrides_file.exists() else []
         output_dir = OmegaConf.to_container(cfg, resolve=False).get("output_dir")
         # ${hydra:runtime.output_dir} (the default) is the job folder itself.
-        metrics = (
-            str(job / "metrics.jsonl")
-            if not output_dir or "${" in str(output_dir)
-            else storage.join(str(output_dir), "metrics.jsonl")
-        )
-        loaded.append((job, cfg, overrides, metrics))
+        run_folder = str(job) if not output_dir or "${" in str(output_dir) else str(output_dir)
+        loaded.append((job, cfg, overrides, run_folder))
     labels = {name: [setting_of(switch, cfg) for _, cfg, _, _ in loaded] for name, switch in SWITCHES.items()}
     varied = [name for name in SWITCHES if len(set(labels[name])) > 1]
     results = []
     common = os.path.commonpath([str(job) for job in jobs]) if len(jobs) > 1 else str(jobs[0].parent)
-    for index, (job, cfg, overrides, metrics) in enumerate(loaded):
+    for index, (job, cfg, overrides, run_folder) in enumerate(loaded):
         settings = tuple((name, labels[name][index]) for name in varied)
         name = os.path.relpath(job, common)
         spec = RunSpec(name, int(cfg.batch_size), settings, "off", tuple(overrides))
         result = RunResult(spec, ["python", "train.py", *overrides], job, returncode=0)
         try:
-            records = [json.loads(line) for line in storage.read_bytes(metrics).decode().splitlines() if line]
-        except Exception as exc:  # missing file, unreachable bucket: the run is reported, not the sweep
+            records = read_metrics(run_folder)
+        except TpustreamError as exc:  # an unreachable bucket: the run is reported, not the sweep
             records, result.error = [], f"no metrics: {exc}"
         if records:
             result.summary = summarize(records)
         elif not result.error:
-            result.error = "metrics.jsonl has no epochs"
+            result.error = f"no metrics.jsonl lines in {run_folder}"
         stderr = job / "train.log"  # Hydra's job log: train.py's own lines
         result.deserialize_failures = (
             stderr.read_text(errors="replace").count(DESERIALIZE_FAILURE) if stderr.exists() else 0
