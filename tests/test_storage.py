@@ -1,10 +1,17 @@
-"""tpustream.storage on a local folder and on a gs:// bucket (the emulator)."""
+"""tpustream.storage on a local folder, a gs:// bucket (the emulator), http:// on 127.0.0.1 and pipe:."""
 
 from __future__ import annotations
 
 import errno
+import functools
+import http.server
 import os
+import shlex
+import threading
+import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,7 +80,7 @@ def test_has_same_content(root):
 
 def test_open_read_streams(root, monkeypatch):
     # Small read-ahead pieces: the reader must stitch many of them together.
-    monkeypatch.setattr(storage, "READ_AHEAD_PIECE_BYTES", 64 * 1024)
+    monkeypatch.setattr(storage.gcs, "READ_AHEAD_PIECE_BYTES", 64 * 1024)
     data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
     url = storage.join(root, "big.bin")
     storage.write_bytes(url, data)
@@ -177,7 +184,7 @@ def test_local_failed_write_keeps_old_content(tmp_path, monkeypatch, failing, ha
     url = str(tmp_path / "shard.tar")
     if had_old:
         storage.write_bytes(url, b"old content")
-    monkeypatch.setattr(storage.os, failing, _raise_eio)
+    monkeypatch.setattr(storage.local.os, failing, _raise_eio)
     with pytest.raises(StorageError, match="injected I/O error") as exc:
         storage.write_bytes(url, b"new content that never lands")
     monkeypatch.undo()
@@ -202,8 +209,8 @@ def test_local_write_mode_follows_umask(tmp_path, umask, mode):
 
 
 def test_gcs_read_ahead_stream_reads_everything_and_closes_early(bucket, monkeypatch):
-    monkeypatch.setattr(storage, "READ_AHEAD_PIECE_BYTES", 1000)
-    monkeypatch.setattr(storage, "READ_AHEAD_PIECES", 2)
+    monkeypatch.setattr(storage.gcs, "READ_AHEAD_PIECE_BYTES", 1000)
+    monkeypatch.setattr(storage.gcs, "READ_AHEAD_PIECES", 2)
     data = os.urandom(10_000)
     url = storage.join(bucket, "stream.bin")
     storage.write_bytes(url, data)
@@ -293,7 +300,7 @@ def read_all(stream, piece=4096):
 
 
 def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
-    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    monkeypatch.setattr(storage.gcs.time, "sleep", lambda s: None)
     data = os.urandom(100_000)
     session = FakeSession(data, ["break", 503, "break", 429, "ok"])
     stream = storage.GcsObjectStream(session, "https://gcs/o", len(data), "gs://bkt/shard.tar")
@@ -304,7 +311,7 @@ def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
 
 
 def test_gcs_stream_gives_up_and_refuses_a_server_that_ignores_ranges(monkeypatch):
-    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    monkeypatch.setattr(storage.gcs.time, "sleep", lambda s: None)
     data = os.urandom(10_000)
     stream = storage.GcsObjectStream(FakeSession(data, [503] * 20), "u", len(data), "gs://bkt/a.tar")
     with pytest.raises(StorageError, match=r"gs://bkt/a.tar: download failed 8 times at byte 0 \(HTTP 503\)"):
@@ -317,3 +324,180 @@ def test_gcs_stream_gives_up_and_refuses_a_server_that_ignores_ranges(monkeypatc
     stream = storage.GcsObjectStream(FakeSession(data, [404]), "u", len(data), "gs://bkt/c.tar")
     with pytest.raises(StorageError, match=r"gs://bkt/c.tar: no such object \(404\)"):
         stream.read(1)
+
+
+@pytest.fixture
+def http_folder(tmp_path) -> Iterator[tuple[Path, str]]:
+    """A folder served over http://127.0.0.1 for the test; yields (folder, its URL)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+
+    class QuietHandler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(folder))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_scheme_table_picks_one_module_per_scheme():
+    assert storage.find_scheme("/data/x.tar") is storage.local
+    assert storage.find_scheme("rel/odd://name.tar") is storage.local  # not a scheme: has a '/'
+    assert storage.find_scheme("file:///data/x.tar") is storage.local
+    assert storage.find_scheme("gs://bkt/x.tar") is storage.gcs
+    for url in ("http://host/x.tar", "https://host/x.tar", "pipe:cat /data/x.tar"):
+        assert storage.find_scheme(url) is storage.remote
+    with pytest.raises(StorageError, match=r"^s3://bkt/x.tar: unsupported URL scheme s3://"):
+        storage.read_bytes("s3://bkt/x.tar")
+
+
+def test_urls_of_every_scheme_join_with_slashes_and_stay_as_they_are():
+    for base in ("file:///data", "http://host/data/", "https://host/data", "gs://bkt/data"):
+        assert storage.join(base, "a", "/b.tar") == base.rstrip("/") + "/a/b.tar"
+        assert storage.dirname(storage.join(base, "a", "b.tar")) == base.rstrip("/") + "/a"
+        assert storage.absolute(base) == base
+    assert storage.absolute("pipe:cat x.tar") == "pipe:cat x.tar"
+
+
+def test_file_urls_reach_local_files(tmp_path):
+    path = tmp_path / "dir" / "x.bin"
+    url = (tmp_path / "dir").as_uri() + "/x.bin"
+    storage.write_bytes(url, b"through file://")
+    assert path.read_bytes() == b"through file://"
+    assert storage.read_bytes(url) == b"through file://"
+    with storage.open_read(url) as f:
+        assert f.read() == b"through file://"
+    assert storage.exists(url)
+    assert storage.list_names((tmp_path / "dir").as_uri()) == ["x.bin"]
+    assert storage.stat(url) == storage.stat(str(path))
+    assert storage.has_same_content(url, b"through file://")
+    assert storage.delete(url) and not path.exists()
+    with pytest.raises(StorageError, match="file:// URLs must name this machine"):
+        storage.read_bytes("file://otherhost/x.bin")
+
+
+def test_http_urls_read_through_gopen(http_folder):
+    folder, base = http_folder
+    data = os.urandom(300_000)
+    (folder / "shard.tar").write_bytes(data)
+    url = f"{base}/shard.tar"
+    assert storage.read_bytes(url) == data
+    parts = []
+    with storage.open_read(url) as f:
+        while chunk := f.read(10_000):
+            parts.append(chunk)
+    assert b"".join(parts) == data
+    assert storage.exists(url)
+    assert not storage.exists(f"{base}/missing.tar")
+    assert storage.has_same_content(url, data)
+    info = storage.stat(url)
+    assert info.size == len(data) and info.version  # SimpleHTTPRequestHandler sends Last-Modified
+    with pytest.raises(StorageError, match=r"missing.tar: no such object \(HTTP 404\)"):
+        storage.stat(f"{base}/missing.tar")
+    with pytest.raises(StorageError, match=r"missing.tar: read failed \(the server answered with an HTTP"):
+        storage.read_bytes(f"{base}/missing.tar")
+    with pytest.raises(StorageError) as listing:
+        storage.list_names(base)
+    assert str(listing.value) == (
+        f"{base}: cannot list http:// URLs; give a brace pattern or a list of shard URLs"
+    )
+
+
+def test_pipe_urls_read_a_command_output(tmp_path):
+    data = os.urandom(4_000_000)  # more than the pipe and read buffers: the command is still writing
+    path = tmp_path / "shard.tar"
+    path.write_bytes(data)
+    url = f"pipe:cat {shlex.quote(str(path))}"
+    assert storage.read_bytes(url) == data
+    with storage.open_read(url) as f:
+        assert f.read(10) == data[:10]  # closing early (the command gets SIGPIPE) is not an error
+    assert storage.exists(url)
+    missing = f"pipe:cat {shlex.quote(str(tmp_path / 'missing.tar'))} 2>/dev/null"
+    assert not storage.exists(missing)
+    with pytest.raises(
+        StorageError, match=r"missing.tar 2>/dev/null: read failed \(the command exited with status 1\)"
+    ):
+        storage.read_bytes(missing)
+    with pytest.raises(StorageError, match="pipe: URLs have no size or version"):
+        storage.stat(url)
+    with pytest.raises(StorageError, match="cannot list pipe: URLs"):
+        storage.list_names("pipe:ls")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:9/out/x.tar", "https://example.invalid/x.tar", "pipe:cat > /tmp/x.tar"]
+)
+@pytest.mark.parametrize("operation", ["write_bytes", "write_bytes_verified", "delete", "probe_writable"])
+def test_read_only_schemes_refuse_writes_in_one_line(url, operation):
+    call = getattr(storage, operation)
+    with pytest.raises(StorageError) as refused:
+        call(url, b"data") if operation.startswith("write") else call(url)
+    message = str(refused.value)
+    assert message.startswith(url) and "read-only" in message and "\n" not in message
+
+
+def test_local_stat_gives_size_and_a_new_version_per_rewrite(tmp_path):
+    url = str(tmp_path / "shard.tar")
+    storage.write_bytes(url, b"first")
+    first = storage.stat(url)
+    info = os.stat(url)
+    assert first == storage.ObjectStat(size=5, version=f"{info.st_ino}-{info.st_mtime_ns}")
+    # File times come from the kernel's coarse clock (a few ms per tick).
+    time.sleep(0.05)
+    storage.write_bytes(url, b"other")
+    second = storage.stat(url)
+    assert second.size == 5 and second.version != first.version
+    with pytest.raises(StorageError, match="missing.tar"):
+        storage.stat(str(tmp_path / "missing.tar"))
+    with pytest.raises(StorageError, match="not a regular file"):
+        storage.stat(str(tmp_path))
+
+
+def test_gcs_stat_gives_size_and_generation(bucket, missing_bucket):
+    url = f"{bucket}/shard.tar"
+    storage.write_bytes(url, b"first")
+    first = storage.stat(url)
+    bucket_name, name = storage.split_gcs_url(url)
+    blob = storage.gcs_client().bucket(bucket_name).get_blob(name)
+    assert first == storage.ObjectStat(size=5, version=str(blob.generation))
+    storage.write_bytes(url, b"other")
+    second = storage.stat(url)
+    assert second.size == 5 and second.version != first.version
+    with pytest.raises(StorageError, match=r"missing.tar: no such object \(404\)"):
+        storage.stat(f"{bucket}/missing.tar")
+    with pytest.raises(StorageError, match=f"bucket gs://{missing_bucket} does not exist"):
+        storage.stat(f"gs://{missing_bucket}/shard.tar")
+
+
+def test_probe_writable_leaves_nothing_behind(root):
+    storage.probe_writable(root)
+    assert storage.list_names(root) == []
+
+
+def test_probe_writable_names_an_unwritable_local_folder(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("running as root: a 0o500 folder is still writable")
+        with pytest.raises(StorageError, match=r"read-only: cannot write here \(Permission denied\)"):
+            storage.probe_writable(str(folder))
+    finally:
+        folder.chmod(0o700)
+
+
+def test_probe_writable_names_a_missing_bucket(missing_bucket):
+    folder = f"gs://{missing_bucket}/run"
+    with pytest.raises(StorageError) as refused:
+        storage.probe_writable(folder)
+    assert str(refused.value) == f"{folder}: cannot write here (bucket gs://{missing_bucket} does not exist)"

@@ -1,9 +1,4 @@
-"""Local paths and gs:// URLs: open, list, read and atomic write.
-
-This is the only module that imports google-cloud-storage. Everything else
-passes URLs around as strings and calls the functions here, so a local folder
-and a bucket prefix behave the same way everywhere in the product.
-"""
+"""gs:// objects: the GCS client, its retry policy, streaming reads and verified writes."""
 
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ from urllib.parse import quote
 import google_crc32c
 
 from tpustream.errors import StorageError
+from tpustream.storage.scheme import ObjectStat
 
 GCS_SCHEME = "gs://"
 # Read-ahead of a gs:// stream: a thread keeps up to READ_AHEAD_PIECES pieces
@@ -29,7 +25,6 @@ GCS_SCHEME = "gs://"
 # transfer overlaps decoding. Memory per open stream: 8 MiB.
 READ_AHEAD_PIECE_BYTES = 2 * 1024 * 1024
 READ_AHEAD_PIECES = 4
-LOCAL_READ_BUFFER_BYTES = 1024 * 1024
 
 # google-cloud-storage clients hold a requests session, which must not be
 # shared across a fork (DataLoader workers) and is not documented as thread
@@ -70,27 +65,6 @@ def split_gcs_url(url: str) -> tuple[str, str]:
     if len(bucket) < 3:
         raise StorageError(f"{url}: bucket name {bucket!r} is too short (GCS needs 3+ characters)")
     return bucket, name
-
-
-def join(base: str, *parts: str) -> str:
-    """Join path parts with '/', keeping a gs:// or absolute local prefix intact."""
-    if is_gcs(base):
-        out = base.rstrip("/")
-        for part in parts:
-            out = f"{out}/{part.strip('/')}"
-        return out
-    return os.path.join(base, *parts)
-
-
-def dirname(url: str) -> str:
-    if is_gcs(url):
-        return url.rstrip("/").rsplit("/", 1)[0]
-    return os.path.dirname(url)
-
-
-def absolute(url: str) -> str:
-    """gs:// URLs as they are; local paths made absolute (replicas do not share a cwd)."""
-    return url if is_gcs(url) else os.path.abspath(os.path.expanduser(url))
 
 
 def gcs_client():
@@ -148,13 +122,7 @@ def bucket_exists(bucket: str) -> bool:
 
 
 def open_read(url: str) -> BinaryIO:
-    """Open a local file or a gs:// object for streaming binary reads."""
-    if not is_gcs(url):
-        try:
-            return open(url, "rb", buffering=LOCAL_READ_BUFFER_BYTES)  # noqa: SIM115
-        except OSError as exc:
-            raise StorageError(f"{url}: {exc.strerror or exc}") from exc
-
+    """Open a gs:// object for streaming binary reads, read ahead by a thread."""
     bucket, name = split_gcs_url(url)
     blob = gcs_client().bucket(bucket).blob(name)
     try:
@@ -363,13 +331,6 @@ class ReadAheadStream:
 
 
 def read_bytes(url: str) -> bytes:
-    if not is_gcs(url):
-        try:
-            with open(url, "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise StorageError(f"{url}: {exc.strerror or exc}") from exc
-
     bucket, name = split_gcs_url(url)
     try:
         return gcs_client().bucket(bucket).blob(name).download_as_bytes(retry=gcs_retry())
@@ -378,9 +339,6 @@ def read_bytes(url: str) -> bytes:
 
 
 def exists(url: str) -> bool:
-    if not is_gcs(url):
-        return os.path.exists(url)
-
     bucket, name = split_gcs_url(url)
     try:
         return gcs_client().bucket(bucket).blob(name).exists(retry=gcs_retry())
@@ -389,13 +347,7 @@ def exists(url: str) -> bool:
 
 
 def list_names(prefix: str) -> list[str]:
-    """Names (not URLs) of the files directly inside a local folder or gs:// prefix."""
-    if not is_gcs(prefix):
-        try:
-            return sorted(n for n in os.listdir(prefix) if os.path.isfile(os.path.join(prefix, n)))
-        except OSError as exc:
-            raise StorageError(f"{prefix}: {exc.strerror or exc}") from exc
-
+    """Names (not URLs) of the objects directly inside a gs:// prefix."""
     bucket, name = split_gcs_url(prefix)
     folder = name.rstrip("/") + "/" if name else ""
     try:
@@ -406,57 +358,40 @@ def list_names(prefix: str) -> list[str]:
         raise _gcs_error(prefix, exc) from exc
 
 
-def write_bytes(url: str, data: bytes) -> None:
-    """Write data so that readers see either the old content or all of the new.
+def stat(url: str) -> ObjectStat:
+    """Size and generation: GCS gives every write of an object a new generation."""
+    bucket, name = split_gcs_url(url)
+    blob = gcs_client().bucket(bucket).blob(name)
+    try:
+        # reload() raises NotFound for a missing object (get_blob would
+        # return None), so _gcs_error can tell a missing bucket apart.
+        blob.reload(retry=gcs_retry())
+    except gcs_failures() as exc:
+        raise _gcs_error(url, exc) from exc
+    return ObjectStat(size=blob.size, version=str(blob.generation))
 
-    Local files go through a temporary file in the same folder and a rename;
-    a GCS object only becomes visible when its upload completes.
-    """
-    if is_gcs(url):
-        bucket, name = split_gcs_url(url)
-        try:
-            blob = gcs_client().bucket(bucket).blob(name)
-            # The client retries uploads only under a generation precondition.
-            # Ours are whole-object writes of the same bytes, so repeating one
-            # is harmless: retry transient errors (429, 5xx, resets) always.
-            blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=gcs_retry())
-        except gcs_failures() as exc:
-            raise _gcs_error(url, exc) from exc
-        return
-    folder = os.path.dirname(url) or "."
-    tmp = os.path.join(folder, f".{os.path.basename(url)}.{uuid.uuid4().hex[:12]}.tmp")
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Upload data; a GCS object only becomes visible when its upload completes."""
+    bucket, name = split_gcs_url(url)
     try:
-        os.makedirs(folder, exist_ok=True)
-        # os.open with 0o666 applies the umask (mkstemp would force 0600).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as exc:
-        raise StorageError(f"{url}: {exc.strerror or exc}") from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, url)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise StorageError(f"{url}: {exc.strerror or exc}") from exc
-        raise
+        blob = gcs_client().bucket(bucket).blob(name)
+        # The client retries uploads only under a generation precondition.
+        # Ours are whole-object writes of the same bytes, so repeating one
+        # is harmless: retry transient errors (429, 5xx, resets) always.
+        blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=gcs_retry())
+    except gcs_failures() as exc:
+        raise _gcs_error(url, exc) from exc
 
 
 def write_bytes_verified(url: str, data: bytes) -> None:
     """write_bytes for data that must never be seen half-written or corrupted (checkpoints).
 
-    Locally: temporary file, fsync, rename (as write_bytes). On GCS: upload
-    under a temporary name with a crc32c the service checks, then a
+    Upload under a temporary name with a crc32c the service checks, then a
     server-side copy to the final name under a generation precondition (the
     final object is still the one we looked at, or absent), then delete the
     temporary object. Readers see the previous complete object or the new one.
     """
-    if not is_gcs(url):
-        write_bytes(url, data)
-        return
     from google.api_core import exceptions as gexc
 
     bucket_name, name = split_gcs_url(url)
@@ -497,15 +432,7 @@ def _holds(bucket, name: str, crc32c: str, size: int) -> bool:
 
 
 def delete(url: str) -> bool:
-    """Remove a file or object; False if it was not there."""
-    if not is_gcs(url):
-        try:
-            os.unlink(url)
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise StorageError(f"{url}: {exc.strerror or exc}") from exc
+    """Remove an object; False if it was not there."""
     from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(url)
@@ -519,15 +446,7 @@ def delete(url: str) -> bool:
 
 
 def has_same_content(url: str, data: bytes) -> bool:
-    """True if url already holds exactly data (lets a rerun skip finished work)."""
-    if not is_gcs(url):
-        try:
-            if os.path.getsize(url) != len(data):
-                return False
-            with open(url, "rb") as f:
-                return f.read() == data
-        except OSError:
-            return False
+    """Compare size and the service's crc32c, without downloading the object."""
     from google.api_core import exceptions as gexc
 
     bucket, name = split_gcs_url(url)

@@ -1,0 +1,42 @@
+"""What every URL scheme's module provides, and the metadata that stat returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol
+
+
+@dataclass(frozen=True)
+class ObjectStat:
+    """Size and version of a stored object; a changed version means the content may have changed.
+
+    version is opaque: a GCS generation, a local mtime in nanoseconds, an HTTP
+    ETag or Last-Modified. Compare it only with a version of the same URL.
+    """
+
+    size: int
+    version: str
+
+
+class Scheme(Protocol):
+    """The operations of one URL scheme. storage.local, storage.gcs and
+    storage.remote are modules that implement it; tpustream.storage.SCHEMES
+    maps each URL scheme to one of them."""
+
+    def open_read(self, url: str) -> BinaryIO: ...
+
+    def read_bytes(self, url: str) -> bytes: ...
+
+    def exists(self, url: str) -> bool: ...
+
+    def list_names(self, prefix: str) -> list[str]: ...
+
+    def stat(self, url: str) -> ObjectStat: ...
+
+    def write_bytes(self, url: str, data: bytes) -> None: ...
+
+    def write_bytes_verified(self, url: str, data: bytes) -> None: ...
+
+    def delete(self, url: str) -> bool: ...
+
+    def has_same_content(self, url: str, data: bytes) -> bool: ...
