@@ -245,12 +245,13 @@ def test_remote_command_quotes_every_token_and_keeps_the_home_tilde():
 
 def test_gcloud_commands_name_the_tpu_zone_project_and_worker():
     s = spec(project="my-proj")
-    remote = pod.remote_run_command(s)
     assert pod.worker_commands(s, 2) == [
-        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tpu1", f"--worker={w}", f"--command={remote}",
-         "--zone=europe-west4-a", "--project=my-proj"]
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tpu1", f"--worker={w}",
+         f"--command={pod.remote_run_command(s, w)}", "--zone=europe-west4-a", "--project=my-proj"]
         for w in (0, 1)
     ]  # fmt: skip
+    # Each host knows its index (only host 0 counts unindexed shards).
+    assert "env PJRT_DEVICE=TPU TPUSTREAM_HOST_INDEX=1 " in pod.remote_run_command(s, 1)
     assert pod.describe_command(spec()) == [
         "gcloud", "compute", "tpus", "tpu-vm", "describe", "tpu1", "--format=json", "--zone=europe-west4-a",
     ]  # fmt: skip

@@ -160,21 +160,23 @@ def shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
-def remote_run_command(spec: LaunchSpec) -> str:
+def remote_run_command(spec: LaunchSpec, host: int | None = None) -> str:
     """``cd WORKDIR && env PJRT_DEVICE=TPU K=V ... COMMAND`` with every user token quoted.
 
     Overrides such as ``data.train_shards=gs://b/train-{000000..000639}.tar`` or
     ``name='a b'`` must reach train.py as typed, not brace- or glob-expanded.
+    TPUSTREAM_HOST_INDEX tells train.py which host it runs on: only host 0
+    counts shards without recorded sample counts, the others wait for its index.
     """
-    assignments = [("PJRT_DEVICE", "TPU"), *spec.env]
+    host_env = [("TPUSTREAM_HOST_INDEX", str(host))] if host is not None else []
+    assignments = [("PJRT_DEVICE", "TPU"), *host_env, *spec.env]
     env = " ".join(shlex.quote(f"{name}={value}") for name, value in assignments)
     return f"cd {shell_path(spec.workdir)} && env {env} {shlex.join(spec.command)}"
 
 
 def worker_commands(spec: LaunchSpec, num_workers: int) -> list[list[str]]:
     """One gcloud ssh per worker, so each process's output belongs to one host."""
-    remote = remote_run_command(spec)
-    return [ssh_command(spec, worker, remote) for worker in range(num_workers)]
+    return [ssh_command(spec, worker, remote_run_command(spec, worker)) for worker in range(num_workers)]
 
 
 def preflight_command(spec: LaunchSpec) -> list[str]:
