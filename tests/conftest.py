@@ -183,3 +183,28 @@ def compose_config():
 
     yield compose_with
     GlobalHydra.instance().clear()
+
+
+def write_wds_shards(
+    folder: str,
+    pattern: str,
+    count: int,
+    *,
+    maxcount: int,
+    image_field: str = "ppm",
+    size: int = 8,
+    start: int = 0,
+) -> list[str]:
+    """Shards written by webdataset's own ShardWriter, without a manifest: as users' shards are.
+
+    Samples as the reference CIFAR notebook writes them: key "%07d" % i, a PIL
+    image under image_field, cls an int; pixel value i % 256 and label i % 10.
+    """
+    import webdataset as wds
+
+    os.makedirs(folder, exist_ok=True)
+    with wds.ShardWriter(os.path.join(folder, pattern), maxcount=maxcount, verbose=0) as sink:
+        for i in range(start, start + count):
+            image = Image.fromarray(solid_image(i % 256, size).transpose(1, 2, 0))
+            sink.write({"__key__": f"{i:07d}", image_field: image, "cls": i % 10})
+    return sorted(os.listdir(folder))

@@ -351,7 +351,7 @@ def test_a_failed_run_is_reported_with_its_command_and_stderr(tmp_path):
     assert done.returncode == 1
     assert "1 of 1 runs failed" in done.stderr
     assert f"command: {sys.executable} {REPO / 'train.py'} data.root={tmp_path}/no-such-shards" in done.stderr
-    assert "no shard manifest" in done.stderr  # train.py's own error line, from its output
+    assert "no-such-shards/train: cannot list the shards" in done.stderr  # train.py's own error line
     with open(out / "runs.csv", newline="") as f:
         (row,) = csv.DictReader(f)
     assert row["status"].startswith("failed: exit code") and row["setup_s"] == ""

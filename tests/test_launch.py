@@ -50,6 +50,13 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["strategy=fsdp", "debug.check_sync_every=1"], "every replica holds a different shard"),
         (["debug.profiler_port=70000"], "debug.profiler_port must be a TCP port"),
         (["xla_cache_dir=gs://bkt/cache"], "the compile cache must be a local folder"),
+        (["data.label_key=json:"], "needs a JSON field after 'json:'"),
+        (["data.image_key=jpg;"], "has an empty alternative"),
+        (["data.channels=2"], "data.channels must be 1 or 3"),
+        (["data.num_classes=5"], "data.num_classes=5, but the manifest of .* lists 10 classes"),
+        (["data.image_size=64"], "data.image_size=64, but the manifest of .* says its images are 32x32"),
+        (["data.stages=[nowhere.module:stage]"], r"data.stages entry 'nowhere.module:stage': cannot import"),
+        (["data.stages=[tests.user_stages:missing]"], "has no callable 'missing'"),
     ],
 )
 def test_bad_config_is_a_config_error(prepared, overrides, message):
@@ -61,7 +68,7 @@ def test_bad_config_is_a_config_error(prepared, overrides, message):
 
 
 def test_missing_data_is_named(compose_config, digits_root, tmp_path, gcs_emulator):
-    with pytest.raises(ConfigError, match=f"no shard manifest at {tmp_path}/nothing/train/manifest.json"):
+    with pytest.raises(ConfigError, match=f"{tmp_path}/nothing/train: cannot list the shards"):
         prepare(compose_config(f"data.root={tmp_path}/nothing"))
     with pytest.raises(ConfigError, match="bucket gs://missing-bucket-abc does not exist"):
         prepare(compose_config("data.root=gs://missing-bucket-abc/digits"))
@@ -85,5 +92,25 @@ def test_train_py_reports_bad_input_in_one_line_without_spawning(tmp_path):
     assert result.returncode == 2
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and f"no shard manifest at {tmp_path}/absent/train/manifest.json" in errors[0]
+    assert len(errors) == 1 and f"{tmp_path}/absent/train: cannot list the shards" in errors[0]
     assert "Traceback" not in output and "launching" not in output
+
+
+class FakeRuntime:
+    """What check_same_counts needs of a runtime: the values every replica passes to a host gather."""
+
+    def __init__(self, others: list[str]):
+        self.others = others
+
+    def all_gather_host(self, tag: str, value):
+        return [value, *self.others]
+
+
+def test_replicas_that_planned_from_different_counts_stop_before_the_first_step(prepared):
+    from tpustream.launch.local import check_same_counts, counts_fingerprint
+
+    plan = prepared()
+    mine = counts_fingerprint(plan.train, plan.val)
+    check_same_counts(FakeRuntime([mine, mine]), plan.train, plan.val)
+    with pytest.raises(ConfigError, match=f"different shard counts \\(this host {mine}, others 0123"):
+        check_same_counts(FakeRuntime([mine, "0123"]), plan.train, plan.val)

@@ -32,9 +32,11 @@ def test_relative_paths_are_made_absolute(three_shards, monkeypatch):
     assert load_manifest("train").shards[0].url == storage.join(three_shards, "train-000000.tar")
 
 
-def test_missing_manifest_names_the_url(tmp_path):
-    with pytest.raises(ConfigError, match=f"no shard manifest at {tmp_path}/nowhere/manifest.json"):
+def test_a_missing_folder_and_a_missing_index_file_name_the_url(tmp_path):
+    with pytest.raises(ConfigError, match=f"{tmp_path}/nowhere: cannot list the shards"):
         load_manifest(str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=f"no shard index at {tmp_path}/nowhere/manifest.json"):
+        load_manifest(str(tmp_path / "nowhere" / "manifest.json"))
 
 
 def test_pattern_naming_shards_outside_the_manifest(three_shards):
@@ -61,5 +63,7 @@ def test_manifest_in_a_bucket_and_missing_bucket(bucket, write_split):
     assert load_manifest(folder).num_samples == 2
     with pytest.raises(ConfigError, match="bucket gs://no-such-bucket-xyz does not exist"):
         load_manifest("gs://no-such-bucket-xyz/data/train")
-    with pytest.raises(ConfigError, match="no such object"):
+    with pytest.raises(
+        ConfigError, match=r"elsewhere/train: no shards \(\*.tar, \*.tar.gz, \*.tgz\) and no manifest.json"
+    ):
         load_manifest(f"{bucket}/elsewhere/train")

@@ -5,16 +5,20 @@ from __future__ import annotations
 import io
 import logging
 import re
+import uuid
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from tests.conftest import numbered_samples, png_bytes, solid_image
+from tpustream.data.loader import CountingLoader, ShardStream, make_loader
 from tpustream.data.manifest import load_manifest
-from tpustream.data.pipeline import SHARD_ID_SHIFT, CountingLoader, ShardStream, make_loader
+from tpustream.data.stages import SHARD_ID_SHIFT
 from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, write_tar
 from tpustream.errors import DataError, StorageError
 
@@ -137,7 +141,7 @@ def test_bad_samples_are_skipped_counted_and_logged_without_changing_steps(write
     folder = bad_split(write_split)
     s = stream(folder, train=False, batch=4)
     loader = make_loader(s, 0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
         batches = list(loader)
     loader.raise_if_incomplete("train")
     assert len(batches) == s.layout.steps == 3
@@ -148,7 +152,7 @@ def test_bad_samples_are_skipped_counted_and_logged_without_changing_steps(write
     for key, reason in [
         ("bad-png", "cannot decode png"),
         ("no-label", "missing label"),
-        ("gif", "no png field (fields: cls, gif)"),
+        ("gif", "no image field"),
         ("big-label", "label 42 outside 0..9"),
     ]:
         assert (
@@ -168,7 +172,7 @@ def test_truncated_shard_is_filled_to_the_planned_steps(write_split, caplog, cut
     full = write_tar((f"{k}.{e}", d) for k, f in numbered_samples(100, 10, SIZE) for e, d in f.items())
     folder = bad_split(write_split, extra_tar={1: full[: len(full) // 2 + cut]}, counts=[6, 10])
     s = stream(folder, train=True, batch=4, workers=0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
         batches = run_epoch(s, 0)
     assert len(batches) == s.layout.steps == 4  # 16 planned samples
     assert "train-000001.tar: truncated" in caplog.text
@@ -306,7 +310,7 @@ def test_memory_batches_equal_streamed_batches_on_digits(digits_root, split):
 
 
 def test_memory_reads_the_shards_once_and_logs_the_load(uneven_split, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="tpustream.data.pipeline"):
+    with caplog.at_level(logging.INFO, logger="tpustream.data.memory"):
         s = stream(uneven_split, train=True, in_memory=True)
     assert re.search(
         r"val split in memory: 103 of 103 listed samples, [\d.]+ MB shared, loaded in", caplog.text
@@ -343,7 +347,7 @@ def test_memory_handles_bad_data_as_streaming_does(write_split, caplog, cut, wor
     for rank in range(world):
         expected = raw_batches(stream(folder, rank=rank, **options), workers, [0], skip)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="tpustream.data.pipeline"):
+        with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
             in_memory = stream(folder, rank=rank, in_memory=True, **options)
             assert_same_batches(expected, raw_batches(in_memory, workers, [0], skip))
         # Reported once, when the split is loaded, not again by the workers.
@@ -418,3 +422,93 @@ def test_a_span_of_a_damaged_shard_delivers_what_reading_the_whole_shard_deliver
             for stop in range(start + 1, 7):
                 expected = (list(range(start, min(stop, len(whole)))), failed and stop > len(whole))
                 assert read(data, start, stop) == expected, (len(data), start, stop)
+
+
+# Counts that lie: a shard holding fewer or more samples than its recorded count.
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    # per shard: (samples it holds, recorded count minus that)
+    shards=st.lists(st.tuples(st.integers(0, 9), st.integers(-3, 3)), min_size=1, max_size=5),
+    world=st.integers(1, 3),
+    workers=st.integers(1, 3),
+    batch=st.integers(1, 5),
+    train=st.booleans(),
+)
+def test_counts_that_lie_keep_steps_equal_and_samples_exact(
+    write_split, caplog, shards, world, workers, batch, train
+):
+    held = [n for n, _ in shards]
+    listed = [max(0, n + lie) for n, lie in shards]
+    assume(sum(listed) > 0)
+    start, contents = 0, []
+    for n in held:
+        contents.append(numbered_samples(start, n, SIZE))
+        start += n
+    name = f"lie{uuid.uuid4().hex[:8]}"
+    folder = write_split(name, contents, image_size=SIZE, counts=listed)
+    seen: Counter = Counter()
+    filled = 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+        for rank in range(world):
+            s = stream(
+                folder, rank=rank, world=world, workers=workers, train=train, batch=batch, shuffle_buffer=4
+            )
+            # The DataLoader workers' pipelines, run here one after the other.
+            batches = [b for worker in range(workers) for b in s.pipeline(worker, workers, 0)]
+            assert len(batches) == s.layout.steps  # equal steps, whatever the shards hold
+            filled += sum(int(b["filled"]) for b in batches)
+            seen.update(int(i) for b in batches for i in b["sample_id"][b["real"] > 0])
+    # Every sample the counts allow is used exactly once, nothing past a count ever;
+    # each listed sample a shard lacks leaves a place that is filled (not real).
+    usable = {(k << SHARD_ID_SHIFT) | i for k in range(len(held)) for i in range(min(held[k], listed[k]))}
+    assert set(seen) == usable and set(seen.values()) <= {1}
+    assert filled >= sum(max(0, c - n) for n, c in zip(held, listed, strict=True))
+    for k, (n, c) in enumerate(zip(held, listed, strict=True)):
+        url = f"{folder}/{name}-{k:06d}.tar"
+        if n > c > 0:
+            assert f"{url}: holds more samples than its recorded count ({c}); only the first" in caplog.text
+        if n < c:
+            assert f"{url}: holds " in caplog.text and f"but its recorded count is {c}" in caplog.text
+
+
+def test_a_count_mismatch_is_an_error_under_raise(write_split):
+    short = write_split("short", [numbered_samples(0, 4, SIZE)], image_size=SIZE, counts=[6])
+    with pytest.raises(DataError, match=r"short-000000\.tar: holds 4 samples, but its recorded count is 6"):
+        list(make_loader(stream(short, train=False, batch=2, on_error="raise"), 0))
+    long = write_split("long", [numbered_samples(0, 4, SIZE)], image_size=SIZE, counts=[3])
+    with pytest.raises(
+        DataError, match=r"long-000000\.tar: holds more samples than its recorded count \(3\)"
+    ):
+        list(make_loader(stream(long, train=False, batch=3, on_error="raise"), 0))
+
+
+# The user's own webdataset stages (data.stages).
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_user_stages_run_on_decoded_samples_in_order(uneven_split, workers):
+    plain = run_epoch(stream(uneven_split, train=False, workers=workers), workers)
+    staged = stream(
+        uneven_split,
+        train=False,
+        workers=workers,
+        stages=["tests.user_stages:drop_label_three", "tests.user_stages.invert"],
+    )
+    loader = make_loader(staged, workers)
+    batches = list(loader)
+    assert len(batches) == len(plain) == staged.layout.steps  # dropping samples never changes the steps
+    kept = [255 - v for b in batches for v, real in pixel_ids(b) if real]
+    expected = [v for b in plain for v, real in pixel_ids(b) if real and v % 10 != 3]
+    # Workers fill their own dropped places, so with several the interleaving shifts.
+    assert kept == expected if workers == 0 else sorted(kept) == sorted(expected)
+    assert loader.filled == sum(1 for v in range(103) if v % 10 == 3)
+
+
+def test_a_user_stage_that_changes_the_image_shape_is_an_error_naming_it(uneven_split):
+    from tpustream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tests.user_stages:shrink.*must stay uint8 \(3, 8, 8\)"):
+        list(make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:shrink"]), 0))

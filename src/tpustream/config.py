@@ -29,6 +29,13 @@ class LastBatch(str, Enum):
 OnError = Enum("OnError", {"skip": "skip", "raise": "raise"}, type=str)
 
 
+class IndexMode(str, Enum):
+    """What to do when no sample count is recorded for a shard."""
+
+    auto = "auto"  # count the shards at start (once per job) and save an index for the next run
+    never = "never"  # a missing count is an error: run `tpustream-index` first
+
+
 class Device(str, Enum):
     CPU = "CPU"
     TPU = "TPU"
@@ -73,10 +80,31 @@ class DataConfig:
     name: str = MISSING
     # Folder or gs:// prefix holding train/ and test/ (or val/) as written by tpustream-make-shards.
     root: str = MISSING
-    # A split: a folder/prefix with manifest.json, a manifest URL, or a brace
-    # pattern of shards listed in the manifest beside them.
-    train_shards: str = MISSING
-    val_shards: str = MISSING
+    # A split's shards (any WebDataset shards, .tar or .tar.gz): a folder or
+    # gs:// prefix, a brace pattern, a list of URLs or patterns, or an index
+    # file (manifest.json, a wids shard index, tpustream-index.json). URLs may
+    # be local, gs://, http(s):// or pipe:. A string or a list of strings.
+    train_shards: Any = MISSING
+    val_shards: Any = MISSING
+    # The sample field holding the image; null = the first of jpg jpeg png ppm
+    # pgm pbm webp bmp tif tiff raw present; "a;b" = a, else b.
+    image_key: str | None = None
+    # The sample field holding the integer label: cls, cls2, index, ..., or
+    # json:<field> for a field of the sample's json member (json:a.b nests).
+    label_key: str = "cls"
+    # Classes when the shards have no tpustream manifest naming them (labels 0..n-1).
+    num_classes: int | None = None
+    # Image side in pixels (square); null = the manifest's, else the first sample's.
+    image_size: int | None = None
+    # Channels every image becomes (1 or 3); null = the manifest's, else 3.
+    channels: int | None = None
+    # Sample counts not recorded beside the shards: auto = count at start and
+    # save tpustream-index.json (beside the shards, else in output_dir); never = error.
+    index: IndexMode = IndexMode.auto
+    # Extra webdataset stages run on decoded samples, in order: import paths
+    # "package.module:function" of callables taking and returning an iterator
+    # of {"image": uint8 CHW array, "label": int, ...} dicts (README: "Your own stages").
+    stages: list[str] = field(default_factory=list)
     # Per-channel statistics of the training images, on the 0..1 scale.
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])

@@ -313,3 +313,26 @@ class GlooRuntime(_XlaDevice):
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def current_replica() -> tuple[int, int]:
+    """(rank, world size) of the calling process, for code that runs outside our launcher.
+
+    torch_xla first (an xmp.spawn replica, where torch.distributed is usually
+    not initialised, so webdataset's own split_by_node sees a world of one and
+    every replica reads every shard), then torch.distributed, then the RANK /
+    WORLD_SIZE environment that torchrun sets; (0, 1) when alone.
+    """
+    import sys
+
+    if "torch_xla" in sys.modules:  # imported by the caller: an XLA job
+        import torch_xla.runtime as xr
+
+        world = xr.world_size()
+        if world > 1:
+            return xr.global_ordinal(), world
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tpustream import checkpoint, observe, preemption
 from tpustream.config import OptimizerName, Precision, Schedule, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
-from tpustream.data.pipeline import CountingLoader
+from tpustream.data.loader import CountingLoader
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 

@@ -7,13 +7,10 @@ replicas agree on the number of all-reduces without talking to each other.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
-import braceexpand
-
 from tpustream import storage
-from tpustream.errors import ConfigError, StorageError
+from tpustream.errors import ConfigError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "tpustream.manifest/1"
@@ -38,6 +35,8 @@ class ShardManifest:
     channels: int
     image_format: str
     shards: list[ShardInfo] = field(default_factory=list)
+    # Where the sample counts came from, for the start-up log (not serialised).
+    counts_from: str = "manifest.json"
 
     @property
     def num_samples(self) -> int:
@@ -100,43 +99,12 @@ class ShardManifest:
         return asdict(self)
 
 
-_BRACE = re.compile(r"\{[^}]*\.\.[^}]*\}|\{[^}]*,[^}]*\}")
-
-
 def load_manifest(spec: str) -> ShardManifest:
-    """Load a split from a folder/prefix holding manifest.json, or from a brace pattern.
+    """A split from any shard specification, counting nothing: every count must be recorded somewhere.
 
-    A brace pattern (``gs://b/cifar/train/train-{000000..000639}.tar``) selects
-    shards out of the manifest.json that sits beside them, so a run can use a
-    subset of a split while the sample counts still come from the manifest.
+    The full resolution (including counting and indexing) is
+    ``tpustream.data.splits.load_split``; this is its read-only form for tools.
     """
-    spec = storage.absolute(spec.strip())
-    if not spec:
-        raise ConfigError("empty shard specification")
-    if spec.endswith(".json"):
-        manifest_url, pattern = spec, None
-    elif _BRACE.search(spec) or spec.endswith(".tar"):
-        manifest_url, pattern = storage.join(storage.dirname(spec), MANIFEST_NAME), spec
-    else:
-        manifest_url, pattern = storage.join(spec, MANIFEST_NAME), None
-    base = storage.dirname(manifest_url)
-    try:
-        text = storage.read_bytes(manifest_url).decode("utf-8")
-    except StorageError as exc:
-        raise ConfigError(
-            f"no shard manifest at {manifest_url} ({exc}); "
-            "write shards with `tpustream-make-shards` or point data paths at its output"
-        ) from exc
-    manifest = ShardManifest.from_json(text, base, manifest_url)
-    if pattern is not None:
-        wanted = list(braceexpand.braceexpand(pattern))
-        by_url = {s.url: s for s in manifest.shards}
-        missing = [u for u in wanted if u not in by_url]
-        if missing:
-            raise ConfigError(
-                f"{pattern}: {len(missing)} shard(s) not listed in {manifest_url}, first: {missing[0]}"
-            )
-        manifest.shards = [by_url[u] for u in wanted]
-    if manifest.num_samples == 0:
-        raise ConfigError(f"{spec}: the split has no samples (manifest {manifest_url})")
-    return manifest
+    from tpustream.data.splits import SplitOptions, load_split  # splits builds on this module
+
+    return load_split(spec, "", SplitOptions(allow_counting=False, progress=False))

@@ -29,10 +29,9 @@ from itertools import accumulate
 
 import numpy as np
 
+from tpustream.config import LastBatch
 from tpustream.data.manifest import ShardInfo
 from tpustream.errors import ConfigError
-
-LAST_BATCH_POLICIES = ("pad", "drop")
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class EpochLayout:
     batch_size: int
     world_size: int
     num_samples: int
-    last_batch: str
+    last_batch: LastBatch
 
     @property
     def samples_per_replica(self) -> int:
@@ -81,19 +80,26 @@ class EpochLayout:
 
 
 def plan_layout(
-    num_samples: int, batch_size: int, world_size: int, last_batch: str = "pad", split: str = ""
+    num_samples: int,
+    batch_size: int,
+    world_size: int,
+    last_batch: LastBatch | str = LastBatch.pad,
+    split: str = "",
 ) -> EpochLayout:
     """Steps per epoch for a split; identical on every replica by construction."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if world_size < 1:
         raise ConfigError(f"world size must be positive, got {world_size}")
-    if last_batch not in LAST_BATCH_POLICIES:
-        raise ConfigError(f"data.last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}")
+    try:
+        last_batch = LastBatch(last_batch)
+    except ValueError:
+        choices = ", ".join(p.value for p in LastBatch)
+        raise ConfigError(f"data.last_batch must be one of {choices}, got {last_batch!r}") from None
     if num_samples < 1:
         raise ConfigError(f"{split or 'split'} has no samples")
     global_batch = batch_size * world_size
-    if last_batch == "drop":
+    if last_batch == LastBatch.drop:
         steps = num_samples // global_batch
         if steps == 0:
             raise ConfigError(

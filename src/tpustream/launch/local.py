@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -23,9 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from tpustream import storage
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint, read_metrics, resolve_resume
-from tpustream.config import Collectives, Device, Strategy, TrainConfig
-from tpustream.data.manifest import ShardManifest, load_manifest
+from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig
+from tpustream.data.decode import check_image_key, check_label_key
+from tpustream.data.manifest import ShardManifest
 from tpustream.data.sharding import describe_sharing, plan_layout
+from tpustream.data.splits import SplitOptions, load_split
+from tpustream.data.stages import load_user_stage
 from tpustream.errors import ConfigError, TpustreamError
 from tpustream.logs import setup_replica_logging, setup_worker_logging
 from tpustream.models import check_model_options, create_model
@@ -56,6 +60,10 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and value:
             OmegaConf.update(cfg, key, storage.absolute(value))
+        elif OmegaConf.is_list(value):
+            OmegaConf.update(
+                cfg, key, [storage.absolute(v) if isinstance(v, str) else v for v in value], merge=False
+            )
     cfg.xla_cache_dir = resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
     typed: TrainConfig = OmegaConf.to_object(cfg)
     plain = OmegaConf.to_container(cfg, enum_to_str=True)
@@ -146,7 +154,42 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
     if len(cfg.data.mean) != len(cfg.data.std) or any(s <= 0 for s in cfg.data.std):
         raise ConfigError("data.mean and data.std need one value per channel, std > 0")
+    check_data_keys(cfg)
     check_model_options(cfg.model.name, dict(cfg.model.options))
+
+
+def check_data_keys(cfg: TrainConfig) -> None:
+    """The data keys that describe foreign shards: fields, shape, and the user's stages."""
+    data = cfg.data
+    for name in ("train_shards", "val_shards"):
+        value = getattr(data, name)
+        if not (
+            isinstance(value, str)
+            or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+        ):
+            raise ConfigError(f"data.{name} must be a string or a non-empty list of strings, got {value!r}")
+    check_image_key(data.image_key)
+    check_label_key(data.label_key)
+    if data.channels not in (None, 1, 3):
+        raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {data.channels}")
+    for name in ("num_classes", "image_size"):
+        value = getattr(data, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
+    for path in data.stages:
+        load_user_stage(path)
+
+
+def split_options(cfg: TrainConfig) -> SplitOptions:
+    data = cfg.data
+    return SplitOptions(
+        image_key=data.image_key,
+        num_classes=data.num_classes,
+        image_size=data.image_size,
+        channels=data.channels,
+        allow_counting=data.index == IndexMode.auto,
+        output_dir=cfg.output_dir,
+    )
 
 
 def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
@@ -167,15 +210,25 @@ def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world
                 f"batch_size={cfg.batch_size} is larger than a replica's share of the training "
                 f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
             )
-        plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch.value, "train")
+        plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch, "train")
 
 
 def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     """Everything before spawning: resolve, validate, load manifests, find the checkpoint."""
     typed, plain = resolve_config(cfg)
     check_config(typed)
-    train = load_manifest(typed.data.train_shards)
-    val = load_manifest(typed.data.val_shards)
+    options = split_options(typed)
+    train = load_split(typed.data.train_shards, "train", options)
+    val = load_split(typed.data.val_shards, "validation", options)
+    for manifest in (train, val):
+        log.info(
+            "%s: %d samples in %d shard(s), %dx%d images; counts from %s",
+            manifest.split,
+            manifest.num_samples,
+            len(manifest.shards),
+            *manifest.image_size,
+            manifest.counts_from,
+        )
     check_data(typed, train, val, known_world_size(typed))
     resume_url = resolve_resume(typed.resume, typed.output_dir)
     if typed.eval_only and resume_url is None:
@@ -272,6 +325,31 @@ def describe_result(result: dict[str, Any], output_dir: str) -> str:
     )
 
 
+def counts_fingerprint(*manifests: ShardManifest) -> str:
+    """A digest of the shards and counts the epoch plan is made from."""
+    digest = hashlib.sha256()
+    for manifest in manifests:
+        for shard in manifest.shards:
+            digest.update(f"{shard.url}\0{shard.samples}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def check_same_counts(runtime, *manifests: ShardManifest) -> None:
+    """Every replica must plan from the same counts, or their step counts differ and the pod hangs.
+
+    One process counts per host; on a multi-host pod the hosts read one index,
+    but a shard rewritten between two hosts' start-ups would still split them.
+    """
+    mine = counts_fingerprint(*manifests)
+    everyone = runtime.all_gather_host("shard-counts", mine)
+    if len(set(everyone)) > 1:
+        others = sorted(set(everyone) - {mine})
+        raise ConfigError(
+            f"replicas planned from different shard counts (this host {mine}, others {', '.join(others)}): "
+            "were shards rewritten while the pod started? Run `tpustream-index` on the shards and restart"
+        )
+
+
 def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
     """DataLoader worker_init_fn: logging, and no death by SIGTERM.
 
@@ -288,13 +366,14 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     """Build the data, model and trainer of one replica and train."""
     import torch
 
-    from tpustream.data.pipeline import ShardStream, make_loader
+    from tpustream.data.loader import ShardStream, make_loader
     from tpustream.observe import start_profiler
     from tpustream.training import make_trainer
 
     cfg = plan.cfg
     log.info("replica %d of %d on %s (pid %d)", runtime.rank, runtime.world_size, runtime.device, os.getpid())
     check_data(cfg, plan.train, plan.val, runtime.world_size)
+    check_same_counts(runtime, plan.train, plan.val)
     note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)
     if note and runtime.is_master:
         log.warning("train: %s", note)
@@ -312,11 +391,14 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             train=train,
             seed=cfg.seed,
             shuffle_buffer=cfg.data.shuffle_buffer,
-            last_batch=cfg.data.last_batch.value,
-            on_error=cfg.data.on_error.value,
+            last_batch=cfg.data.last_batch,
+            on_error=cfg.data.on_error,
             crop_padding=cfg.data.crop_padding,
             hflip=cfg.data.hflip,
             in_memory=cfg.data.in_memory,
+            image_key=cfg.data.image_key,
+            label_key=cfg.data.label_key,
+            stages=cfg.data.stages,
         )
 
     train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)

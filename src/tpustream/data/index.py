@@ -1,0 +1,307 @@
+"""The shard index: sample counts we counted ourselves, remembered for the next run.
+
+When nothing beside the shards records how many samples each holds, every
+shard is read once (in parallel, nothing decoded) and the counts are written to
+``tpustream-index.json``, beside the shards when that location is writable,
+else under ``<output_dir>/shard-index/``. Each entry keeps the shard's size and
+version (GCS generation, local mtime), so a shard rewritten since is counted
+again, and the run says so, instead of trusting a stale count that would
+desynchronise the replicas' step counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from tpustream import storage
+from tpustream.data.tar_stream import count_shard_samples, open_tar_stream
+from tpustream.errors import ConfigError, StorageError, TpustreamError
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "tpustream-index.json"
+INDEX_FORMAT = "tpustream.index/1"
+# Subfolder of output_dir for indexes of shard folders we cannot write to.
+OUTPUT_INDEX_FOLDER = "shard-index"
+# Shards read at once while counting: enough to hide GCS request latency,
+# few enough that the read-ahead buffers (8 MiB each) stay small.
+COUNT_THREADS = 16
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One counted shard: its count, and the size and version it had when counted."""
+
+    samples: int
+    size: int
+    version: str
+
+
+@dataclass
+class IndexRate:
+    """What counting cost: for the log line and the benchmark."""
+
+    shards: int
+    bytes: int
+    seconds: float
+
+    def describe(self) -> str:
+        seconds = max(self.seconds, 1e-9)
+        return (
+            f"{self.shards} shard(s), {self.bytes / 1e6:.1f} MB in {self.seconds:.1f} s "
+            f"({self.shards / seconds:.1f} shards/s, {self.bytes / 1e6 / seconds:.1f} MB/s)"
+        )
+
+
+def index_urls(folder: str, output_dir: str | None) -> list[str]:
+    """Where an index of the shards in `folder` may be, in order of preference."""
+    urls = [storage.join(folder, INDEX_NAME)] if storage.has_neighbours(folder) else []
+    if output_dir:
+        digest = hashlib.sha1(folder.encode()).hexdigest()[:16]
+        urls.append(storage.join(output_dir, OUTPUT_INDEX_FOLDER, f"{digest}.json"))
+    return urls
+
+
+def parse_index(text: bytes, url: str) -> tuple[str, dict[str, IndexEntry]]:
+    """(the folder the index describes, shard URL -> entry); ConfigError naming url if malformed."""
+    try:
+        doc = json.loads(text)
+        if doc.get("format") != INDEX_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
+        folder = str(doc["folder"])
+        entries = {}
+        for item in doc["shards"]:
+            entry = IndexEntry(int(item["samples"]), int(item["size"]), str(item["version"]))
+            if entry.samples < 0:
+                raise ValueError(f"negative sample count for {item['name']}")
+            entries[storage.join(folder, str(item["name"]))] = entry
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{url}: not a valid tpustream shard index ({exc}); delete it to recount") from exc
+    return folder, entries
+
+
+def format_index(folder: str, entries: dict[str, IndexEntry]) -> bytes:
+    prefix = folder.rstrip("/") + "/"
+    shards = [
+        {"name": url.removeprefix(prefix), "samples": e.samples, "size": e.size, "version": e.version}
+        for url, e in sorted(entries.items())
+    ]
+    doc = {"format": INDEX_FORMAT, "folder": folder, "num_samples": sum(e.samples for e in entries.values())}
+    doc["shards"] = shards
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def read_index(folder: str, output_dir: str | None) -> tuple[str | None, dict[str, IndexEntry]]:
+    """The first index of `folder` found (its URL and entries), or (None, {})."""
+    for url in index_urls(folder, output_dir):
+        try:
+            text = storage.read_bytes(url)
+        except StorageError:
+            continue
+        _, entries = parse_index(text, url)
+        return url, entries
+    return None, {}
+
+
+def count_shard(url: str) -> tuple[int, int]:
+    """(samples, stored bytes) of one shard, read once without decoding anything."""
+    with storage.open_read(url) as raw:
+        counted = _CountingReader(raw)
+        with open_tar_stream(counted, url) as stream:
+            return count_shard_samples(stream, url), counted.bytes
+
+
+class _CountingReader:
+    """Counts the stored (possibly compressed) bytes a reader pulls, for the indexing rate."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.bytes = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._raw.read(size)
+        self.bytes += len(data)
+        return data
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def count_shards(
+    urls: Sequence[str], progress: bool = True, threads: int = COUNT_THREADS
+) -> tuple[dict[str, IndexEntry], IndexRate]:
+    """Count every shard in parallel, recording each one's size and version.
+
+    The stat comes first: a shard replaced while it is counted then fails the
+    next run's check and is counted again, never the other way round. A shard
+    that cannot be stat'ed (pipe:, http without ETag) gets version "", which
+    the check cannot verify and trusts (the loader still catches a count that lies).
+    """
+    started = time.perf_counter()
+
+    def one(url: str) -> tuple[str, IndexEntry, int]:
+        stat = _stat_or_none(url)
+        samples, stored = count_shard(url)
+        entry = IndexEntry(samples, stat.size, stat.version) if stat else IndexEntry(samples, -1, "")
+        return url, entry, stored
+
+    entries: dict[str, IndexEntry] = {}
+    total_bytes = 0
+    bar = tqdm(total=len(urls), desc="counting samples", unit="shard", disable=not progress)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
+        try:
+            for url, entry, stored in pool.map(one, urls):
+                entries[url] = entry
+                total_bytes += stored
+                bar.update(1)
+                bar.set_postfix_str(f"{total_bytes / 1e6:.0f} MB", refresh=False)
+        except TpustreamError:
+            pool.shutdown(cancel_futures=True)
+            raise
+        finally:
+            bar.close()
+    return entries, IndexRate(len(urls), total_bytes, time.perf_counter() - started)
+
+
+def stale_entries(entries: dict[str, IndexEntry], urls: Sequence[str]) -> list[str]:
+    """URLs among `urls` whose indexed size or version differs from the shard's now."""
+    stale = []
+    with ThreadPoolExecutor(max_workers=max(1, min(COUNT_THREADS, len(urls)))) as pool:
+        for url, stat in zip(urls, pool.map(_stat_or_none, urls), strict=True):
+            entry = entries[url]
+            if entry.version == "":
+                continue  # recorded without a version: nothing to compare
+            if stat is None or (stat.size, stat.version) != (entry.size, entry.version):
+                stale.append(url)
+    return stale
+
+
+def _stat_or_none(url: str) -> storage.ObjectStat | None:
+    try:
+        return storage.stat(url)
+    except StorageError:
+        return None
+
+
+def write_index(folder: str, entries: dict[str, IndexEntry], output_dir: str | None) -> str | None:
+    """Save the index beside the shards, else in output_dir; its URL, or None if neither is writable."""
+    data = format_index(folder, entries)
+    reasons = []
+    for url in index_urls(folder, output_dir):
+        try:
+            storage.write_bytes(url, data)
+            return url
+        except StorageError as exc:
+            reasons.append(str(exc))
+    log.warning(
+        "could not save the shard index of %s (%s); the next run counts again", folder, "; ".join(reasons)
+    )
+    return None
+
+
+def host_index() -> int:
+    """This host's index in a multi-host pod (0 when alone), as the pod launcher sets it."""
+    value = os.environ.get("TPUSTREAM_HOST_INDEX", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"TPUSTREAM_HOST_INDEX={value!r}: expected a host number") from None
+
+
+# How long a pod host other than the first waits for host 0's index.
+INDEX_WAIT_SECONDS = float(os.environ.get("TPUSTREAM_INDEX_WAIT_SECONDS", "3600"))
+
+
+def counts_for(
+    urls: Sequence[str],
+    output_dir: str | None,
+    *,
+    allow_counting: bool,
+    progress: bool = True,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[dict[str, int], str]:
+    """Sample counts of `urls` from their index, counting what is missing or stale.
+
+    Returns (url -> samples, a one-line description of where they came from).
+    On a multi-host pod only host 0 counts; the others wait for its index, so
+    every host plans the epoch from the same counts (replicas check that they
+    agree before the first step).
+    """
+    by_folder: dict[str, list[str]] = {}
+    for url in urls:
+        by_folder.setdefault(storage.dirname(url), []).append(url)
+    counts: dict[str, int] = {}
+    notes = []
+    for folder, members in by_folder.items():
+        found, note = _folder_counts(folder, members, output_dir, allow_counting, progress, sleep)
+        counts.update(found)
+        notes.append(note)
+    return counts, "; ".join(notes)
+
+
+def _folder_counts(
+    folder: str,
+    urls: list[str],
+    output_dir: str | None,
+    allow_counting: bool,
+    progress: bool,
+    sleep: Callable[[float], None],
+) -> tuple[dict[str, int], str]:
+    index_url, entries = read_index(folder, output_dir)
+    known = [u for u in urls if u in entries]
+    stale = stale_entries(entries, known) if known else []
+    missing = [u for u in urls if u not in entries]
+    if not stale and not missing:
+        return {u: entries[u].samples for u in urls}, f"index {index_url}"
+    if stale:
+        log.warning(
+            "%s: %d shard(s) changed since they were indexed (first: %s); counting them again",
+            index_url,
+            len(stale),
+            stale[0],
+        )
+    todo = missing + stale
+    if not allow_counting:
+        raise ConfigError(
+            f"{folder}: no sample count for {len(todo)} shard(s) (first: {todo[0]}); run "
+            f"`tpustream-index {folder}` or set data.index=auto to count them at start"
+        )
+    if host_index() > 0:
+        return _wait_for_host_zero(folder, urls, output_dir, sleep)
+    counted, rate = count_shards(todo, progress=progress)
+    entries = {**{u: e for u, e in entries.items() if u not in stale}, **counted}
+    saved = write_index(folder, entries, output_dir)
+    log.info("counted %s; index %s", rate.describe(), saved or "not saved")
+    return {u: entries[u].samples for u in urls}, f"counted now ({saved or 'index not saved'})"
+
+
+def _wait_for_host_zero(
+    folder: str, urls: list[str], output_dir: str | None, sleep: Callable[[float], None]
+) -> tuple[dict[str, int], str]:
+    """A pod host other than the first: wait until host 0's index covers every shard, unchanged."""
+    log.info("%s: waiting for pod host 0 to index the shards", folder)
+    deadline = time.monotonic() + INDEX_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        sleep(5.0)
+        index_url, entries = read_index(folder, output_dir)
+        if all(u in entries for u in urls) and not stale_entries(entries, urls):
+            return {u: entries[u].samples for u in urls}, f"index {index_url} (written by host 0)"
+    raise ConfigError(
+        f"{folder}: pod host 0 wrote no index covering these shards within {INDEX_WAIT_SECONDS:.0f} s; "
+        f"run `tpustream-index {folder}` once before the job"
+    )

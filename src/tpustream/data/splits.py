@@ -1,0 +1,294 @@
+"""A shard specification to a split every replica can plan from: URLs, counts, classes, image shape.
+
+A specification is a folder or gs:// prefix, a brace pattern, a list of
+patterns (a Hydra list), or an index file (our manifest.json, a wids shard
+index, our tpustream-index.json). Counts come, per shard, from the first of:
+our manifest; the index file given; what other tools recorded beside the
+shards (open_clip, timm, img2dataset: ``counts``); our own index, counting
+what is still missing (``index``). All of it happens once per job, before any
+replica is spawned, so replicas get identical counts by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import braceexpand
+
+from tpustream import storage
+from tpustream.data import counts as recorded
+from tpustream.data.decode import DEFAULT_IMAGE_KEYS, SampleError, read_image_shape
+from tpustream.data.index import INDEX_FORMAT, counts_for, parse_index, stale_entries
+from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ShardInfo, ShardManifest
+from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, open_tar_stream
+from tpustream.errors import ConfigError, StorageError
+
+log = logging.getLogger(__name__)
+
+# What a shard's name ends with (webdataset reads the same; .gz is gunzipped while streaming).
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_BRACE = re.compile(r"\{[^}]*\.\.[^}]*\}|\{[^}]*,[^}]*\}")
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """What the data config says about a split beyond where its shards are."""
+
+    image_key: str | None = None
+    num_classes: int | None = None
+    image_size: int | None = None  # square side; None = the manifest's, else the first sample's
+    channels: int | None = None  # None = the manifest's, else 3
+    allow_counting: bool = True  # data.index=auto
+    output_dir: str | None = None  # where an index goes when the shards' folder is read-only
+    progress: bool = True
+
+
+@dataclass
+class _Expanded:
+    urls: list[str]
+    counts: dict[str, int]  # known so far
+    manifests: list[ShardManifest]
+    whole_folders: list[str] = field(default_factory=list)  # named whole, without a manifest
+
+
+def load_split(spec: str | Sequence[str], split: str, options: SplitOptions | None = None) -> ShardManifest:
+    """The split described by `spec`, with a sample count for every shard; ConfigError if impossible."""
+    options = options or SplitOptions()
+    expanded = expand_spec(spec)
+    if not expanded.urls:
+        raise ConfigError(f"{_describe(spec)}: names no shards")
+    duplicate = _first_duplicate(expanded.urls)
+    if duplicate:
+        raise ConfigError(f"{_describe(spec)}: shard {duplicate} is named twice")
+    counts = dict(expanded.counts)
+    sources = ["manifest.json"] if expanded.manifests else []
+    missing = [u for u in expanded.urls if u not in counts]
+    if missing:
+        for source in recorded.find_recorded_counts([u for u in missing if storage.has_neighbours(u)]):
+            covered = {u: n for u, n in source.counts.items() if u not in counts and u in missing}
+            if covered:
+                counts.update(covered)
+                sources.append(source.description)
+        missing = [u for u in expanded.urls if u not in counts]
+    if missing:
+        found, note = counts_for(
+            missing, options.output_dir, allow_counting=options.allow_counting, progress=options.progress
+        )
+        counts.update(found)
+        sources.append(note)
+    shards = [ShardInfo(u, counts[u]) for u in expanded.urls]
+    _check_total_hints(expanded.whole_folders, shards)
+    manifest = _describe_images(spec, split, shards, expanded.manifests, options)
+    manifest.counts_from = "; ".join(sources)
+    if manifest.num_samples == 0:
+        raise ConfigError(f"{_describe(spec)}: the split has no samples ({manifest.counts_from})")
+    return manifest
+
+
+def expand_spec(spec: str | Sequence[str]) -> _Expanded:
+    """Shard URLs of a specification, with the counts it carries itself (manifests, index files)."""
+    if not isinstance(spec, str):
+        out = _Expanded([], {}, [])
+        for item in spec:
+            if not isinstance(item, str):
+                raise ConfigError(f"shard specification {item!r}: expected a string")
+            part = expand_spec(item)
+            out.urls += part.urls
+            out.counts.update(part.counts)
+            out.manifests += part.manifests
+            out.whole_folders += part.whole_folders
+        return out
+    spec = storage.absolute(spec.strip())
+    if not spec:
+        raise ConfigError("empty shard specification")
+    if spec.endswith(".json"):
+        return _expand_index_file(spec)
+    if _BRACE.search(spec) or spec.endswith(SHARD_SUFFIXES):
+        return _expand_pattern(spec)
+    return _expand_folder(spec)
+
+
+def _expand_pattern(pattern: str) -> _Expanded:
+    """Brace-expanded URLs; counts from the manifest beside them when there is one."""
+    urls = list(braceexpand.braceexpand(pattern))
+    if not storage.has_neighbours(urls[0]):
+        return _Expanded(urls, {}, [])
+    manifest_url = storage.join(storage.dirname(urls[0]), MANIFEST_NAME)
+    manifest = _read_manifest(manifest_url, required=False)
+    if manifest is None:
+        return _Expanded(urls, {}, [])
+    listed = {s.url: s.samples for s in manifest.shards}
+    outside = [u for u in urls if u not in listed]
+    if outside:
+        raise ConfigError(
+            f"{pattern}: {len(outside)} shard(s) not listed in {manifest_url}, first: {outside[0]}"
+        )
+    return _Expanded(urls, {u: listed[u] for u in urls}, [manifest])
+
+
+def _expand_folder(folder: str) -> _Expanded:
+    manifest_url = storage.join(folder, MANIFEST_NAME)
+    manifest = _read_manifest(manifest_url, required=False)
+    if manifest is not None:
+        return _Expanded(
+            [s.url for s in manifest.shards], {s.url: s.samples for s in manifest.shards}, [manifest]
+        )
+    try:
+        names = storage.list_names(folder)
+    except StorageError as exc:
+        raise ConfigError(f"{folder}: cannot list the shards ({exc})") from exc
+    urls = [storage.join(folder, n) for n in names if n.endswith(SHARD_SUFFIXES)]
+    if not urls:
+        raise ConfigError(
+            f"{folder}: no shards ({', '.join('*' + s for s in SHARD_SUFFIXES)}) and no {MANIFEST_NAME}; "
+            "point data.train_shards / data.val_shards at your shards (a folder, a brace pattern, "
+            "a list, or an index file)"
+        )
+    return _Expanded(urls, {}, [], [folder])
+
+
+def _expand_index_file(url: str) -> _Expanded:
+    try:
+        text = storage.read_bytes(url)
+    except StorageError as exc:
+        raise ConfigError(f"no shard index at {url} ({exc})") from exc
+    try:
+        kind = json.loads(text).get("format") if text.lstrip().startswith(b"{") else None
+    except ValueError as exc:
+        raise ConfigError(f"{url}: not valid JSON ({exc})") from exc
+    if kind == MANIFEST_FORMAT:
+        manifest = ShardManifest.from_json(text.decode("utf-8"), storage.dirname(url), url)
+        return _Expanded(
+            [s.url for s in manifest.shards], {s.url: s.samples for s in manifest.shards}, [manifest]
+        )
+    if kind == INDEX_FORMAT:
+        _, entries = parse_index(text, url)
+        stale = set(stale_entries(entries, list(entries)))
+        if stale:
+            log.warning(
+                "%s: %d shard(s) changed since they were indexed; counting them again", url, len(stale)
+            )
+        return _Expanded(list(entries), {u: e.samples for u, e in entries.items() if u not in stale}, [])
+    listed = recorded.read_shard_list(url)
+    if listed is None:
+        raise ConfigError(f"{url}: neither a tpustream manifest, a tpustream index nor a wids shard index")
+    shards, description = listed
+    log.info("shards and counts from %s", description)
+    return _Expanded([u for u, _ in shards], {u: n for u, n in shards if n is not None}, [])
+
+
+def _check_total_hints(folders: list[str], shards: list[ShardInfo]) -> None:
+    """open_clip's __len__ holds only a folder's total: not a plan, but a check on the counts."""
+    for folder in folders:
+        hint = recorded.read_total_hint(folder)
+        prefix = folder.rstrip("/") + "/"
+        total = sum(s.samples for s in shards if s.url.startswith(prefix))
+        if hint is not None and hint != total:
+            log.warning(
+                "%s: open_clip's __len__ says %d samples, but the shards hold %d by their counts",
+                folder,
+                hint,
+                total,
+            )
+
+
+def _read_manifest(url: str, required: bool) -> ShardManifest | None:
+    try:
+        text = storage.read_bytes(url)
+    except StorageError as exc:
+        if required:
+            raise ConfigError(f"no shard manifest at {url} ({exc})") from exc
+        return None
+    return ShardManifest.from_json(text.decode("utf-8"), storage.dirname(url), url)
+
+
+def _describe_images(
+    spec: str | Sequence[str],
+    split: str,
+    shards: list[ShardInfo],
+    manifests: list[ShardManifest],
+    options: SplitOptions,
+) -> ShardManifest:
+    """Classes, image shape and channels: from the config, our manifest, or the first sample."""
+    name = _describe(spec)
+    first = manifests[0] if manifests else None
+    for other in manifests[1:]:
+        if (other.classes, other.image_size, other.channels) != (
+            first.classes,
+            first.image_size,
+            first.channels,
+        ):
+            raise ConfigError(f"{name}: the manifests of these shards disagree on classes or image shape")
+    if first is not None:
+        classes = first.classes
+        if options.num_classes is not None and options.num_classes != len(classes):
+            raise ConfigError(
+                f"data.num_classes={options.num_classes}, but the manifest of {name} lists "
+                f"{len(classes)} classes"
+            )
+    elif options.num_classes is not None:
+        if options.num_classes < 1:
+            raise ConfigError(f"data.num_classes must be at least 1, got {options.num_classes}")
+        classes = [str(c) for c in range(options.num_classes)]
+    else:
+        raise ConfigError(
+            f"{name}: the shards have no tpustream manifest naming their classes; set data.num_classes"
+        )
+    channels = options.channels or (first.channels if first else 3)
+    if options.image_size is not None:
+        image_size = (options.image_size, options.image_size)
+        if first is not None and first.image_size != image_size:
+            raise ConfigError(
+                f"data.image_size={options.image_size}, but the manifest of {name} says its images are "
+                f"{first.image_size[0]}x{first.image_size[1]}"
+            )
+        image_format = first.image_format if first else (options.image_key or "")
+    elif first is not None:
+        image_size, image_format = first.image_size, first.image_format
+    else:
+        image_size, image_format = _first_image_shape(shards, options.image_key, name)
+        log.info("%s: images are %dx%d (%s), from the first sample", name, *image_size, image_format)
+    return ShardManifest(
+        split or (first.split if first else ""), classes, image_size, channels, image_format, shards
+    )
+
+
+def _first_image_shape(
+    shards: list[ShardInfo], image_key: str | None, name: str
+) -> tuple[tuple[int, int], str]:
+    """(height, width) and image field of the first sample that decodes, from the first non-empty shards."""
+    reasons = []
+    for shard in [s for s in shards if s.samples > 0][:3]:
+        try:
+            with storage.open_read(shard.url) as raw, open_tar_stream(raw, shard.url) as stream:
+                for sample in iter_shard_samples(stream, shard.url, 0, 5):
+                    try:
+                        shape = read_image_shape(sample, image_key)
+                    except SampleError as exc:
+                        reasons.append(f"{shard.url} sample {sample['__key__']}: {exc}")
+                        continue
+                    keys = image_key.split(";") if image_key else DEFAULT_IMAGE_KEYS
+                    return shape, next((k for k in keys if k in sample), "")
+        except (StorageError, ShardFormatError) as exc:
+            reasons.append(str(exc))
+    first_reason = reasons[0] if reasons else "no samples"
+    raise ConfigError(
+        f"{name}: cannot learn the image size from the first samples ({first_reason}); set data.image_size"
+    )
+
+
+def _first_duplicate(urls: list[str]) -> str | None:
+    seen: set[str] = set()
+    for url in urls:
+        if url in seen:
+            return url
+        seen.add(url)
+    return None
+
+
+def _describe(spec: str | Sequence[str]) -> str:
+    return spec if isinstance(spec, str) else "[" + ", ".join(spec) + "]"

@@ -1,0 +1,162 @@
+"""Shard specifications without our manifest: counts from other tools' files, our index, or counting."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_wds_shards
+from tpustream import storage
+from tpustream.data import index as shard_index
+from tpustream.data.index import INDEX_NAME
+from tpustream.data.index_command import main as index_main
+from tpustream.data.splits import SplitOptions, load_split
+from tpustream.errors import ConfigError, StorageError
+
+DIGITS = SplitOptions(num_classes=10, progress=False)
+
+
+@pytest.fixture
+def wds_split(tmp_path) -> str:
+    """25 samples written by webdataset's ShardWriter as the reference CIFAR notebook does (ppm + cls)."""
+    folder = str(tmp_path / "wds")
+    write_wds_shards(folder, "cifar-train-%06d.tar", 25, maxcount=7, image_field="ppm")
+    return folder
+
+
+def test_folder_without_manifest_is_counted_once_and_indexed_beside_the_shards(wds_split, monkeypatch):
+    split = load_split(wds_split, "train", DIGITS)
+    assert [s.samples for s in split.shards] == [7, 7, 7, 4]
+    assert split.shards[0].url == f"{wds_split}/cifar-train-000000.tar"
+    assert split.image_size == (8, 8) and split.channels == 3 and split.image_format == "ppm"
+    assert split.classes == [str(c) for c in range(10)]
+    assert "counted now" in split.counts_from
+    doc = json.loads(Path(wds_split, INDEX_NAME).read_text())
+    assert doc["num_samples"] == 25 and [s["name"] for s in doc["shards"]][0] == "cifar-train-000000.tar"
+
+    def no_counting(*args, **kwargs):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(shard_index, "count_shards", no_counting)
+    again = load_split(wds_split, "train", DIGITS)
+    assert again.shards == split.shards and again.counts_from.startswith("index ")
+
+
+def test_a_rewritten_shard_is_counted_again_saying_so(wds_split, caplog):
+    load_split(wds_split, "train", DIGITS)
+    write_wds_shards(
+        wds_split, "cifar-train-%06d.tar", 3, maxcount=3, image_field="ppm"
+    )  # shard 0: 3 samples
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.index"):
+        split = load_split(wds_split, "train", DIGITS)
+    assert "1 shard(s) changed since they were indexed" in caplog.text
+    assert [s.samples for s in split.shards] == [3, 7, 7, 4]
+
+
+def test_read_only_shards_are_indexed_in_the_output_dir(wds_split, tmp_path, monkeypatch):
+    write_bytes = storage.write_bytes
+
+    def read_only_shards(url: str, data: bytes) -> None:
+        if url.startswith(wds_split):  # as a bucket the job may only read
+            raise StorageError(f"{url}: permission denied (403)")
+        write_bytes(url, data)
+
+    monkeypatch.setattr(storage, "write_bytes", read_only_shards)
+    run = str(tmp_path / "run")
+    split = load_split(wds_split, "train", SplitOptions(num_classes=10, output_dir=run, progress=False))
+    assert split.num_samples == 25
+    assert not os.path.exists(os.path.join(wds_split, INDEX_NAME))
+    assert len(os.listdir(tmp_path / "run" / "shard-index")) == 1
+    again = load_split(wds_split, "train", SplitOptions(num_classes=10, output_dir=run, allow_counting=False))
+    assert again.shards == split.shards and "shard-index" in again.counts_from
+
+
+def test_index_never_makes_a_missing_count_an_error_naming_the_command(wds_split):
+    with pytest.raises(ConfigError, match=r"no sample count for 4 shard\(s\).*tpustream-index"):
+        load_split(wds_split, "train", SplitOptions(num_classes=10, allow_counting=False))
+    assert index_main([wds_split, "--no-progress"]) == 0
+    split = load_split(wds_split, "train", SplitOptions(num_classes=10, allow_counting=False))
+    assert split.num_samples == 25
+
+
+def test_patterns_lists_and_gzipped_shards(wds_split, tmp_path):
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for index in range(2):
+        with (
+            tarfile.open(gz / f"part-{index}.tar.gz", "w:gz") as out,
+            tarfile.open(f"{wds_split}/cifar-train-00000{index}.tar") as source,
+        ):
+            for member in source.getmembers():
+                out.addfile(member, source.extractfile(member))
+    spec = [f"{wds_split}/cifar-train-{{000002..000003}}.tar", str(gz / "part-{0..1}.tar.gz")]
+    split = load_split(spec, "train", DIGITS)
+    assert [s.samples for s in split.shards] == [7, 4, 7, 7]
+    assert split.shards[2].url == str(gz / "part-0.tar.gz")
+    with pytest.raises(ConfigError, match="named twice"):
+        load_split([wds_split, f"{wds_split}/cifar-train-000000.tar"], "train", DIGITS)
+
+
+def test_pipe_urls_are_read_through_webdataset(wds_split):
+    url = f"pipe:cat {wds_split}/cifar-train-000003.tar"
+    split = load_split(url, "train", SplitOptions(num_classes=10, image_size=8, progress=False))
+    assert [s.samples for s in split.shards] == [4]
+
+
+def test_missing_classes_and_empty_folders_are_one_line_errors(wds_split, tmp_path):
+    with pytest.raises(ConfigError, match="no tpustream manifest naming their classes; set data.num_classes"):
+        load_split(wds_split, "train", SplitOptions(progress=False))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty: no shards \(\*.tar, \*.tar.gz, \*.tgz\) and no manifest"):
+        load_split(str(tmp_path / "empty"), "train", DIGITS)
+
+
+def test_a_second_pod_host_waits_for_host_zero_instead_of_counting(wds_split, monkeypatch):
+    monkeypatch.setenv("TPUSTREAM_HOST_INDEX", "1")
+    monkeypatch.setattr(shard_index, "count_shards", lambda *a, **k: pytest.fail("host 1 counted"))
+    naps = []
+
+    def host_zero_finishes(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) == 2:  # host 0 (its own reference to the real count_shards) writes the index
+            assert index_main([wds_split, "--no-progress"]) == 0
+
+    found, note = shard_index.counts_for(
+        [f"{wds_split}/cifar-train-00000{i}.tar" for i in range(4)],
+        None,
+        allow_counting=True,
+        sleep=host_zero_finishes,
+    )
+    assert list(found.values()) == [7, 7, 7, 4] and "written by host 0" in note and len(naps) == 2
+
+
+def test_gcs_shards_without_manifest(bucket, tmp_path):
+    local = str(tmp_path / "local")
+    write_wds_shards(local, "shard-%03d.tar", 10, maxcount=4, image_field="png")
+    for name in sorted(os.listdir(local)):
+        storage.write_bytes(f"{bucket}/wds/{name}", Path(local, name).read_bytes())
+    split = load_split(f"{bucket}/wds", "train", DIGITS)
+    assert [s.samples for s in split.shards] == [4, 4, 2] and split.image_format == "png"
+    assert storage.exists(f"{bucket}/wds/{INDEX_NAME}")
+    assert load_split(f"{bucket}/wds/shard-{{000..002}}.tar", "train", DIGITS).counts_from.startswith("index")
+
+
+def test_open_clip_len_is_a_check_on_the_counts(wds_split, caplog):
+    Path(wds_split, "__len__").write_text("30\n")
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.splits"):
+        assert load_split(wds_split, "train", DIGITS).num_samples == 25
+    assert "open_clip's __len__ says 30 samples, but the shards hold 25" in caplog.text
+
+
+def test_sizes_json_beside_the_shards_spares_the_counting(wds_split, monkeypatch):
+    sizes = {f"cifar-train-00000{i}.tar": n for i, n in enumerate([7, 7, 7, 4])}
+    Path(wds_split, "sizes.json").write_text(json.dumps(sizes))
+    monkeypatch.setattr(shard_index, "count_shards", lambda *a, **k: pytest.fail("counted"))
+    split = load_split(wds_split, "train", DIGITS)
+    assert split.num_samples == 25 and "sizes.json" in split.counts_from
+    assert not Path(wds_split, INDEX_NAME).exists()
