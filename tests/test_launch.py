@@ -51,7 +51,7 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["debug.profiler_port=70000"], "debug.profiler_port must be a TCP port"),
         (["xla_cache_dir=gs://bkt/cache"], "the compile cache must be a local folder"),
         (["data.label_key=json:"], "needs a JSON field after 'json:'"),
-        (["data.image_key=jpg;"], "has an empty alternative"),
+        (["data.image_key='jpg;'"], "has an empty alternative"),
         (["data.channels=2"], "data.channels must be 1 or 3"),
         (["data.num_classes=5"], "data.num_classes=5, but the manifest of .* lists 10 classes"),
         (["data.image_size=64"], "data.image_size=64, but the manifest of .* says its images are 32x32"),
