@@ -354,3 +354,21 @@ def test_decoder_checks_its_config_and_pickles():
     assert copy == original and copy.shape == (3, HEIGHT, WIDTH)
     sample = {"png": encode(solid("RGB", ORANGE), "png"), "json": json.dumps({"label": 4}).encode()}
     assert copy(sample)[1] == 4
+
+
+@pytest.mark.parametrize("mode, field", [("RGB", "ppm"), ("L", "pgm")])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_binary_pnm_is_read_directly_exactly_as_pil_converts_it(mode, field, channels):
+    rng = np.random.default_rng(5)
+    shape = (7, 9, 3) if mode == "RGB" else (7, 9)
+    image = Image.fromarray(rng.integers(0, 256, shape).astype(np.uint8), mode)
+    out = io.BytesIO()
+    image.save(out, format="PPM")  # P6 for RGB, P5 for L
+    expected = np.asarray(image.convert("RGB" if channels == 3 else "L"))
+    expected = expected.transpose(2, 0, 1) if channels == 3 else expected[None]
+    decoder = ImageDecoder(channels, 7, 9, 10)
+    assert np.array_equal(decoder.decode_image(field, out.getvalue()), expected)
+    with pytest.raises(SampleError, match="differs from expected"):
+        ImageDecoder(channels, 9, 7, 10).decode_image(field, out.getvalue())
+    with pytest.raises(SampleError, match=f"cannot decode {field}"):
+        decoder.decode_image(field, out.getvalue()[:-5])  # truncated pixels: PIL's error

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -103,13 +104,34 @@ def _extension(field_name: str) -> str:
 
 
 # How decode_image reads a field.
-_FAST, _RAW, _PIL = "torchvision", "raw", "PIL"
+_FAST, _RAW, _PNM, _PIL = "torchvision", "raw", "pnm", "PIL"
+_PNM_EXTENSIONS = frozenset(("ppm", "pgm"))
+_PNM_HEADER = re.compile(rb"(P[56])\s+(\d+)\s+(\d+)\s+(\d+)\s")
+
+
+def _read_binary_pnm(data: bytes) -> np.ndarray | None:
+    """Binary 8-bit PPM (P6) / PGM (P5) pixels as (H, W, C) or (H, W) uint8, or None for other variants.
+
+    These are a header and the pixels themselves (what webdataset's ShardWriter
+    writes for "ppm", the reference CIFAR notebook's format), so a view of the
+    bytes replaces a PIL decode (5.7 us against 37 us per 32x32 image here). Comments in
+    the header, ASCII and bilevel variants and 16-bit maxval go to PIL.
+    """
+    match = _PNM_HEADER.match(data)
+    if match is None or int(match.group(4)) != 255:
+        return None
+    width, height = int(match.group(2)), int(match.group(3))
+    channels = 3 if match.group(1) == b"P6" else 1
+    pixels = np.frombuffer(data, np.uint8, count=width * height * channels, offset=match.end())
+    return pixels.reshape((height, width, channels) if channels == 3 else (height, width))
 
 
 def _route_image(field_name: str, channels: int) -> str:
     extension = _extension(field_name)
     if extension == _RAW_EXTENSION:
         return _RAW
+    if extension in _PNM_EXTENSIONS:
+        return _PNM
     # torchvision's WebP decoder ignores GRAY (returns RGB and warns): PIL makes it grey.
     if extension in _FAST_IMAGE_EXTENSIONS and not (extension == "webp" and channels == 1):
         return _FAST
@@ -161,6 +183,19 @@ def _convert_pil_image(image: Image.Image, channels: int) -> np.ndarray:
         except ValueError:
             image = image.convert("RGB").convert(target)  # e.g. LAB: PIL converts it to RGB only
     return np.asarray(image)
+
+
+def _pnm_to_channels(stored: np.ndarray, channels: int) -> np.ndarray:
+    """(H, W, 3) or (H, W) uint8 to (channels, H, W), converting as PIL's convert("L"/"RGB") does."""
+    if stored.ndim == 2:
+        grey = stored[None]
+        return grey if channels == 1 else np.repeat(grey, 3, axis=0)
+    if channels == 3:
+        return np.ascontiguousarray(stored.transpose(2, 0, 1))
+    # ITU-R 601-2 luma with PIL's fixed-point rounding: L = (R*19595 + G*38470 + B*7471 + 0x8000) >> 16.
+    wide = stored.astype(np.uint32)
+    luma = (wide[..., 0] * 19595 + wide[..., 1] * 38470 + wide[..., 2] * 7471 + 0x8000) >> 16
+    return luma.astype(np.uint8)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +282,16 @@ class ImageDecoder:
             if len(data) != expected:
                 raise SampleError(f"raw image has {len(data)} bytes, shape {self._shape} needs {expected}")
             return np.frombuffer(data, np.uint8).reshape(self._shape)
+        if route == _PNM:
+            try:
+                stored = _read_binary_pnm(data)
+            except ValueError:  # fewer pixel bytes than the header promises
+                stored = None
+            if stored is not None:
+                if stored.shape[:2] != (self.height, self.width):
+                    shape = (self.channels, *stored.shape[:2])
+                    raise SampleError(f"image shape {shape} differs from expected {self._shape}")
+                return _pnm_to_channels(stored, self.channels)
         return self._decode_with_pil(field, data)
 
     def _decode_with_pil(
