@@ -38,6 +38,21 @@ Configurations (w = DataLoader num_workers, measured with 0 and 2):
     ours-gcs (w)   the same shards read from the emulator bucket.
     ours-raw-local / ours-raw-gcs (w)
                    the same with image_format="raw" shards (uint8 CHW pixels, no decode).
+    ours-wds-png-local / ours-wds-ppm-local / ours-wds-png-gcs (w)
+                   the same images written by webdataset's own ShardWriter ({"__key__",
+                   "png"|"ppm": PIL image, "cls": int}, as the reference CIFAR notebook
+                   does), with no manifest: the split is resolved by
+                   tpustream.data.splits.load_split, which counts the shards and saves
+                   tpustream-index.json. Throughput rows use the saved index.
+
+Start-up without a manifest ("first run" / "second run"): for each ShardWriter
+set, in a fresh copy of the shards, the seconds load_split takes the first time
+(listing + counting every shard + writing the index) and the second time
+(reading the index, checking every shard's size and version), each followed by
+one full pass of ours (0 workers) from a fresh ShardStream: so the first run
+is "counting included", the second "index reused". The indexing rate (shards/s
+and MB/s of stored shard bytes) is that of the first run's counting, local
+and gs://.
 
 Timing: one untimed warm-up pass, then full timed passes, repeated until at
 least --min-seconds have been measured. The clock of a pass starts when its
@@ -97,17 +112,13 @@ from torchvision.datasets import ImageFolder
 from tpustream import storage
 from tpustream.data.augment import Normalizer
 from tpustream.data.decode import ImageDecoder
-from tpustream.data.make_shards import encode_image, write_split
+from tpustream.data.index import INDEX_NAME, count_shards
+from tpustream.data.loader import ShardStream, make_loader
+from tpustream.data.make_shards import encode_image, sample_order, write_split
 from tpustream.data.manifest import load_manifest
-from tpustream.data.pipeline import (
-    ErrorPolicy,
-    ShardStream,
-    augment_batches,
-    batch_samples,
-    decode_samples,
-    make_loader,
-)
 from tpustream.data.sources import SplitSource, digits_splits
+from tpustream.data.splits import SplitOptions, load_split
+from tpustream.data.stages import ErrorPolicy, augment_batches, batch_samples, decode_samples
 from tpustream.data.tar_stream import iter_shard_samples
 from tpustream.emulator import GcsEmulator
 
@@ -147,6 +158,15 @@ class BenchData:
 
     def shard_urls(self, image_format: str, where: str) -> list[str]:
         return [s.url for s in load_manifest(self.shard_roots[image_format, where]).shards]
+
+    def split(self, image_format: str, where: str):
+        """The split of shard_roots[(image_format, where)], however its counts are recorded."""
+        return load_split(self.shard_roots[image_format, where], "train", WDS_SPLIT_OPTIONS)
+
+
+# ShardWriter shards carry numeric labels only: the class count comes from the config.
+WDS_SPLIT_OPTIONS = SplitOptions(num_classes=NUM_CLASSES, progress=False)
+WDS_FORMATS = ("png", "ppm")
 
 
 def make_images(num_images: int, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -208,6 +228,24 @@ def prepare_data(num_images: int, workdir: str, bucket: str) -> tuple[BenchData,
         shard_bytes[image_format] = sum(
             os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".tar")
         )
+    # The same images, in the same write order, as webdataset's ShardWriter
+    # writes them (no manifest), for the wds-* rows and the start-up timings.
+    # write_split wrote source image order[p] under key p ("train" shuffles the write order).
+    order = sample_order(num_images, 1, shuffle=True, seed=0).tolist()
+    for image_format in WDS_FORMATS:
+        local = os.path.join(workdir, f"wds-{image_format}")
+        write_shardwriter_set(local, images, labels, order, per_shard, image_format)
+        data.shard_roots[f"wds-{image_format}", "local"] = local
+        shard_bytes[f"wds-{image_format}"] = sum(
+            os.path.getsize(os.path.join(local, n)) for n in os.listdir(local)
+        )
+    gcs = f"gs://{bucket}/wds-png"
+    for name in sorted(os.listdir(data.shard_roots["wds-png", "local"])):
+        storage.write_bytes(
+            storage.join(gcs, name),
+            storage.read_bytes(os.path.join(data.shard_roots["wds-png", "local"], name)),
+        )
+    data.shard_roots["wds-png", "gcs"] = gcs
     # The shards must hold the very bytes L, L_ours and A decode.
     first = load_manifest(data.shard_roots["png", "local"]).shards[0].url
     with storage.open_read(first) as stream:
@@ -223,6 +261,18 @@ def prepare_data(num_images: int, workdir: str, bucket: str) -> tuple[BenchData,
         "shard_bytes_total": shard_bytes,
     }
     return data, info
+
+
+def write_shardwriter_set(
+    folder: str, images: np.ndarray, labels: np.ndarray, order: list[int], per_shard: int, image_format: str
+) -> None:
+    """images[order] through webdataset.ShardWriter as PIL images under image_format, cls an int."""
+    os.makedirs(folder, exist_ok=True)
+    pattern = os.path.join(folder, f"bench-{image_format}-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=per_shard, verbose=0) as sink:
+        for position, index in enumerate(order):
+            image = Image.fromarray(images[index].transpose(1, 2, 0))
+            sink.write({"__key__": f"{position:08d}", image_format: image, "cls": int(labels[index])})
 
 
 # ------------------------------------------------------------------ configurations
@@ -260,7 +310,7 @@ def limit_stock(data: BenchData, workers: int) -> Epoch:
 
 def limit_ours(data: BenchData, workers: int) -> Epoch:
     """L_ours: tpustream's decode, batching and batch augmentation on in-memory sample dicts."""
-    decoder = ImageDecoder("png", 3, IMAGE_SIZE, IMAGE_SIZE, NUM_CLASSES)
+    decoder = ImageDecoder(3, IMAGE_SIZE, IMAGE_SIZE, NUM_CLASSES, image_key="png")
     normalize = Normalizer(MEAN, STD)
     rng = np.random.default_rng(SEED)
     # What iter_shard_samples + read_span_samples yield, minus the tar and the I/O.
@@ -313,15 +363,15 @@ def normalized(batches: Iterable[dict[str, torch.Tensor]], normalize: Normalizer
 
 def ours(data: BenchData, workers: int, image_format: str, where: str) -> Epoch:
     """ours-*: ShardStream through make_loader, as the trainer builds it, normalising in the consumer."""
-    stream = make_stream(data.shard_roots[image_format, where], workers, SHUFFLE_BUFFER)
+    stream = make_stream(data.split(image_format, where), workers, SHUFFLE_BUFFER)
     loader = make_loader(stream, workers)
     normalize = Normalizer(MEAN, STD)
     return lambda: normalized(loader, normalize)
 
 
-def make_stream(split_root: str, workers: int, shuffle_buffer: int) -> ShardStream:
+def make_stream(split, workers: int, shuffle_buffer: int) -> ShardStream:
     return ShardStream(
-        load_manifest(split_root),
+        split,
         batch_size=BATCH_SIZE,
         rank=0,
         world_size=1,
@@ -352,6 +402,9 @@ CONFIGS = [
     Config("ours-gcs", partial(ours, image_format="png", where="gcs")),
     Config("ours-raw-local", partial(ours, image_format="raw", where="local")),
     Config("ours-raw-gcs", partial(ours, image_format="raw", where="gcs")),
+    Config("ours-wds-png-local", partial(ours, image_format="wds-png", where="local")),
+    Config("ours-wds-ppm-local", partial(ours, image_format="wds-ppm", where="local")),
+    Config("ours-wds-png-gcs", partial(ours, image_format="wds-png", where="gcs")),
 ]
 
 
@@ -436,7 +489,7 @@ def memory_probe(split_root: str, shuffle_buffer: int) -> dict:
     the current RSS first, so import-time peaks do not hide the pass's peak.
     """
     torch.set_num_threads(1)
-    loader = make_loader(make_stream(split_root, 0, shuffle_buffer), 0)
+    loader = make_loader(make_stream(load_manifest(split_root), 0, shuffle_buffer), 0)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to VmRSS (Linux >= 4.0)
@@ -476,6 +529,48 @@ def profile(data: BenchData, name: str, top: int = 25) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
+def copy_shards(source: str, target: str) -> None:
+    """The shards of a folder or gs:// prefix (not its index) into another one."""
+    for name in storage.list_names(source):
+        if name != INDEX_NAME:
+            storage.write_bytes(storage.join(target, name), storage.read_bytes(storage.join(source, name)))
+
+
+def measure_startup(data: BenchData, workdir: str, bucket: str) -> list[dict]:
+    """First run (counting included) and second run (index reused) on fresh copies of the wds sets."""
+    rows = []
+    for key, where in (("wds-png", "local"), ("wds-ppm", "local"), ("wds-png", "gcs")):
+        target = (
+            os.path.join(workdir, f"startup-{key}")
+            if where == "local"
+            else f"gs://{bucket}/startup-{key}-{uuid.uuid4().hex[:6]}"
+        )
+        copy_shards(data.shard_roots[key, where], target)
+        urls = [storage.join(target, n) for n in storage.list_names(target)]
+        _, rate = count_shards(urls, progress=False)  # the indexing rate alone, nothing saved
+        row = {"name": f"{key}-{where}", "shards": rate.shards, "shard_bytes": rate.bytes}
+        row["index_shards_per_s"] = rate.shards / rate.seconds
+        row["index_mb_per_s"] = rate.bytes / 1e6 / rate.seconds
+        for run in ("first", "second"):
+            started = time.perf_counter()
+            split = load_split(target, "train", WDS_SPLIT_OPTIONS)
+            resolved = time.perf_counter() - started
+            samples = sum(batch_length(b) for b in make_loader(make_stream(split, 0, SHUFFLE_BUFFER), 0))
+            row[f"{run}_resolve_seconds"] = resolved
+            row[f"{run}_total_seconds"] = time.perf_counter() - started
+            row[f"{run}_counts_from"] = split.counts_from
+        row["samples_per_pass"] = samples
+        rows.append(row)
+        print(
+            f"  {row['name']:<14} index {row['index_shards_per_s']:.0f} shards/s "
+            f"{row['index_mb_per_s']:.0f} MB/s; first run {row['first_resolve_seconds']:.2f} s to resolve "
+            f"+ pass = {row['first_total_seconds']:.2f} s; second {row['second_resolve_seconds']:.2f} s "
+            f"+ pass = {row['second_total_seconds']:.2f} s",
+            flush=True,
+        )
+    return rows
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -488,13 +583,13 @@ def add_ratios(rows: list[dict]) -> None:
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        f"{'configuration':<16}{'workers':>8}{'samples/s':>11}{'x L':>8}{'x L_ours':>10}"
+        f"{'configuration':<20}{'workers':>8}{'samples/s':>11}{'x L':>8}{'x L_ours':>10}"
         f"{'samples':>9}{'seconds':>9}{'passes':>7}{'other load':>12}",
     ]
     for r in rows:
         workers = "-" if r["workers"] is None else str(r["workers"])
         lines.append(
-            f"{r['name']:<16}{workers:>8}{r['samples_per_s']:>11.0f}{r['x_L']:>8.2f}{r['x_L_ours']:>10.2f}"
+            f"{r['name']:<20}{workers:>8}{r['samples_per_s']:>11.0f}{r['x_L']:>8.2f}{r['x_L_ours']:>10.2f}"
             f"{r['samples']:>9}{r['seconds']:>9.2f}{r['passes']:>7}{r['foreign_cores']:>12.2f}"
         )
     return "\n".join(lines)
@@ -609,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                 profile(data, name)
             return 0
         rows = run_configs(data, args.min_seconds)
+        print("  start-up without a manifest (ShardWriter shards: first run counts, second reuses)")
+        startup = measure_startup(data, workdir, bucket)
         print("  memory (ours-local, w=0, fresh process per shuffle buffer) ...", flush=True)
         memory = measure_memory(data.shard_roots["png", "local"])
 
@@ -646,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
         },
         "configs": rows,
+        "startup_without_manifest": startup,
         "memory": memory,
     }
     args.out.mkdir(parents=True, exist_ok=True)
