@@ -563,13 +563,27 @@ def _no_class_folders(src: Path) -> None:
     save_image(src / "b.png", (20, 20), (1, 2, 3))
 
 
+def _empty_train_class(src: Path) -> None:
+    save_image(src / "train" / "ant" / "a.png", (20, 20), (1, 2, 3))
+    (src / "train" / "bee").mkdir(parents=True)
+    (src / "train" / "bee" / "notes.txt").write_text("not an image")
+
+
+def _every_image_unreadable(src: Path) -> None:
+    (src / "ant").mkdir(parents=True)
+    (src / "ant" / "a.png").write_bytes(b"not a png")
+    (src / "ant" / "b.jpg").write_bytes(b"")
+
+
 @pytest.mark.parametrize(
     ("build", "extra", "message"),
     [
         (_val_class_missing_in_train, ["--image-size", "16"], "dog: class not present in the train split"),
         (_val_class_missing_in_train, [], "imagefolder needs --image-size"),
         (_no_class_folders, ["--image-size", "16"], "no class folders"),
-        (_corrupt_image, ["--image-size", "16"], "b.png: cannot decode the image"),
+        (_corrupt_image, ["--image-size", "16", "--on-error", "raise"], "b.png: cannot decode the image"),
+        (_empty_train_class, ["--image-size", "16"], "train/bee: class folder has no images (.jpg, "),
+        (_every_image_unreadable, ["--image-size", "16"], "every image of the train split is unreadable"),
     ],
 )
 def test_imagefolder_errors(tmp_path, capsys, build, extra, message):
@@ -579,6 +593,114 @@ def test_imagefolder_errors(tmp_path, capsys, build, extra, message):
     assert run("imagefolder", str(out), "--source", str(src), *extra) == 2
     assert message in one_line_error(capsys.readouterr().err)
     assert not (out / "train" / MANIFEST_NAME).exists()
+
+
+def test_imagefolder_empty_class_outside_train_is_fine(tmp_path):
+    src = tmp_path / "src"
+    for split, cls in [("train", "ant"), ("train", "bee"), ("val", "ant")]:
+        save_image(src / split / cls / "a.png", (20, 20), CLASS_COLORS[cls])
+    (src / "val" / "bee").mkdir()  # no validation images for this class
+    out = str(tmp_path / "out")
+    assert run("imagefolder", out, "--source", str(src), "--image-size", "8") == 0
+    manifest, samples = read_split(os.path.join(out, "val"))
+    assert manifest["classes"] == ["ant", "bee"]
+    assert labels_of(samples) == [0]
+
+
+def test_imagefolder_converts_16_bit_cmyk_and_palette_images(tmp_path):
+    """16-bit grey is scaled as (v + 128) // 257 (PIL's convert would clip it to white)."""
+    src = tmp_path / "src"
+    values = np.array([0, 128, 129, 32768, 65535, 40000, 1000, 257], np.uint16)
+    grey16 = np.tile(values, (8, 1))
+    (src / "grey").mkdir(parents=True)
+    Image.fromarray(grey16).save(src / "grey" / "g.png")
+    with Image.open(src / "grey" / "g.png") as im:
+        assert im.mode.startswith("I")  # really 16 bits per pixel on disk
+    (src / "cmyk").mkdir()
+    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(src / "cmyk" / "c.jpg")
+    (src / "palette").mkdir()
+    palette = Image.new("P", (8, 8), 1)
+    palette.putpalette([0, 0, 0, 10, 20, 30] + [0] * 762)
+    palette.save(src / "palette" / "p.png", transparency=0)
+
+    out = str(tmp_path / "out")
+    assert run("imagefolder", out, "--source", str(src), "--image-size", "8") == 0
+    manifest, samples = read_split(os.path.join(out, "train"))
+    assert manifest["classes"] == ["cmyk", "grey", "palette"]
+    stored = {int(s["cls"]): decode_chw(s["png"]) for s in samples}
+    expected_grey = ((grey16.astype(np.int64) + 128) // 257).astype(np.uint8)
+    assert expected_grey[0, 3] == 128
+    for channel in stored[1]:
+        np.testing.assert_array_equal(channel, expected_grey)
+    red = stored[0].reshape(3, -1).mean(1)
+    assert red[0] > 240 and red[1] < 15 and red[2] < 15, red
+    assert (stored[2] == np.array([10, 20, 30], np.uint8)[:, None, None]).all()
+
+
+def test_unreadable_images_are_skipped_in_worker_processes(tmp_path, capsys, caplog):
+    src = tmp_path / "src"
+    for cls, name in [("ant", "a.png"), ("ant", "c.png"), ("bee", "d.png"), ("bee", "f.png")]:
+        save_image(src / cls / name, (20, 20), CLASS_COLORS[cls])
+    (src / "ant" / "b.png").write_bytes(b"not a png")
+    good = (src / "bee" / "d.png").read_bytes()
+    (src / "bee" / "e.png").write_bytes(good[: len(good) // 2])  # truncated
+    bad = [str(src / "ant" / "b.png"), str(src / "bee" / "e.png")]
+
+    def convert(out: str, *extra: str, workers: str = "1") -> int:
+        args = ["--source", str(src), "--image-size", "8", "--samples-per-shard", "2", *extra]
+        return make_shards_main(["imagefolder", out, *args, "--no-progress", "--workers", workers])
+
+    pooled, single = str(tmp_path / "pooled"), str(tmp_path / "single")
+    with caplog.at_level(logging.WARNING):
+        assert convert(pooled, workers="2") == 0
+    captured = capsys.readouterr()
+    assert "train: 4 samples, 2 classes, 3 shard(s) (3 written" in captured.out
+    summary = captured.err.strip().splitlines()[-1]
+    assert summary.startswith("2 unreadable images skipped (first: ")
+    assert any(f"(first: {path}: " in summary for path in bad)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping unreadable")]
+    assert len(logged) == 2 and all(any(path in m for m in logged) for path in bad)
+
+    manifest, samples = read_split(os.path.join(pooled, "train"))  # checks each shard's count
+    assert manifest["num_samples"] == 4
+    assert sorted(labels_of(samples)) == [0, 0, 1, 1]
+    # Skipped images leave gaps in the keys (write positions 0..5); no renumbering.
+    keys = {s["__key__"] for s in samples}
+    assert len(keys) == 4 and keys < {f"{i:08d}" for i in range(6)}
+
+    # One process writes the same bytes, and a rerun finds every shard in place.
+    assert convert(single) == 0
+    assert all_files(single) == all_files(pooled)
+    assert convert(pooled) == 0
+    assert "(0 written, 3 already in place)" in capsys.readouterr().out
+
+    # raise: the worker's error comes back as one line naming the file, and no manifest.
+    assert convert(pooled, "--on-error", "raise", workers="2") == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "cannot decode the image" in line and any(path in line for path in bad)
+    assert not os.path.exists(os.path.join(pooled, "train", MANIFEST_NAME))
+
+
+def test_ctrl_c_keeps_written_shards_and_writes_no_manifest(tmp_path, monkeypatch, capsys):
+    from tpustream.data import make_shards
+
+    calls = []
+    original = make_shards.ShardTask.run
+
+    def interrupt_second_shard(self):
+        calls.append(self.url)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(make_shards.ShardTask, "run", interrupt_second_shard)
+    out = tmp_path / "out"
+    assert run("digits", str(out)) == 130
+    assert capsys.readouterr().err.strip() == (
+        "interrupted: the shards written so far are kept; rerun the same command to finish "
+        "(identical shards are skipped)"
+    )
+    assert sorted(os.listdir(out / "train")) == ["train-000000.tar"]
 
 
 # --- gs:// output and CLI errors ------------------------------------------------------------
@@ -626,6 +748,15 @@ def test_cifar_without_source_is_an_error(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("source", ["digits", "cifar100"])
+def test_image_size_applies_to_imagefolder_only(tmp_path, capsys, source):
+    with pytest.raises(SystemExit) as exc:
+        run(source, str(tmp_path / "out"), "--image-size", "64")
+    assert exc.value.code == 2
+    assert f"--image-size applies to imagefolder only; {source} images are 32x32" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag", ["--upsample", "--samples-per-shard", "--image-size"])
 def test_non_positive_numbers_are_usage_errors(tmp_path, capsys, flag):
     with pytest.raises(SystemExit) as exc:
@@ -653,8 +784,7 @@ def test_interrupted_rerun_with_other_settings_leaves_no_stale_manifest(tmp_path
         return original(self)
 
     monkeypatch.setattr(make_shards.ShardTask, "run", fail_on_second_shard)
-    with pytest.raises(KeyboardInterrupt):
-        run("digits", out, "--samples-per-shard", "300")
+    assert run("digits", out, "--samples-per-shard", "300") == 130
     # The old manifest (500 per shard) would now lie about the rewritten shards.
     assert not storage.exists(manifest_url)
     monkeypatch.setattr(make_shards.ShardTask, "run", original)

@@ -8,7 +8,9 @@ Layout: OUTPUT/<split>/<split>-NNNNNN.tar with members <key>.<png|jpg|raw> and
 <key>.cls, and OUTPUT/<split>/manifest.json, written last: a split is usable
 exactly when its manifest exists. Shard bytes are deterministic, every write
 is atomic and identical shards already in place are skipped, so a rerun after
-an interruption finishes the job without rewriting what is done.
+an interruption (Ctrl-C included) finishes the job without rewriting what is
+done. Unreadable image files are left out and counted (--on-error skip, the
+default) or stop the run naming the file (--on-error raise).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import io
 import logging
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
@@ -30,15 +33,18 @@ from tqdm import tqdm
 from tpustream import storage
 from tpustream.data.manifest import IMAGE_FORMATS, MANIFEST_NAME, ShardInfo, ShardManifest
 from tpustream.data.sources import (
+    CIFAR_SIZE,
+    DIGITS_SIZE,
     ImageRef,
     SplitSource,
+    UnreadableImageError,
     cifar_splits,
     digits_splits,
     imagefolder_splits,
     load_image_file,
 )
 from tpustream.data.tar_stream import write_tar
-from tpustream.errors import ConfigError, TpustreamError
+from tpustream.errors import ConfigError, DataError, TpustreamError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,14 @@ SOURCES = ("digits", "cifar10", "cifar100", "imagefolder")
 # shards); ImageNet-sized JPEGs make ~100 MB shards at 1000 per shard.
 DEFAULT_SAMPLES_PER_SHARD = {"digits": 256, "cifar10": 2000, "cifar100": 2000, "imagefolder": 1000}
 JPEG_QUALITY = 95
+# Sources whose images have one fixed size: --image-size does not apply to them.
+FIXED_IMAGE_SIZES = {"digits": DIGITS_SIZE, "cifar10": CIFAR_SIZE, "cifar100": CIFAR_SIZE}
+# The policy words of training's data.on_error, for unreadable image files.
+ON_ERROR_CHOICES = ("skip", "raise")
+# Unreadable images logged per run, as training logs bad samples; the rest are only counted.
+MAX_LOGGED_SKIPS = 20
+# 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C.
+INTERRUPTED_EXIT_CODE = 130
 
 
 def shard_name(split: str, index: int) -> str:
@@ -69,6 +83,17 @@ def encode_image(image: np.ndarray, image_format: str, quality: int = JPEG_QUALI
 
 
 @dataclass
+class ShardResult:
+    """What one ShardTask did."""
+
+    url: str
+    samples: int  # written into the shard: the task's keys less its skipped images
+    planned: int  # the task's keys, whether written or skipped
+    wrote: bool  # False when identical bytes were already in place
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) per image left out
+
+
+@dataclass
 class ShardTask:
     """One shard to build and write; pickled to a worker process."""
 
@@ -78,24 +103,77 @@ class ShardTask:
     labels: list[int]
     image_format: str
     image_size: int
+    on_error: str  # "skip" or "raise", for image files that cannot be decoded
+    manifest_url: str
 
-    def run(self) -> tuple[str, int, bool]:
+    def run(self) -> ShardResult:
         """Build the tar and write it unless identical bytes are already there."""
         members = []
+        skipped: list[tuple[str, str]] = []
         for key, image, label in zip(self.keys, self.images, self.labels, strict=True):
             if isinstance(image, str):
-                image = load_image_file(image, self.image_size)
+                try:
+                    image = load_image_file(image, self.image_size)
+                except UnreadableImageError as exc:
+                    if self.on_error == "raise":
+                        raise
+                    # The other samples keep their keys (their write
+                    # positions), leaving a gap rather than renumbering: a
+                    # shard's keys are fixed before any image is decoded, so
+                    # shards are built independently and their bytes do not
+                    # depend on what other shards skipped.
+                    skipped.append((exc.path, exc.reason))
+                    continue
             members.append((f"{key}.{self.image_format}", encode_image(image, self.image_format)))
             members.append((f"{key}.cls", str(label).encode()))
+        # A shard left with no samples is still written (an empty tar) and
+        # listed with 0: shard names stay contiguous and the readers skip it.
         data = write_tar(members)
+        samples = len(self.keys) - len(skipped)
         if storage.has_same_content(self.url, data):
-            return self.url, len(self.keys), False
+            return ShardResult(self.url, samples, len(self.keys), False, skipped)
+        if skipped:
+            # A manifest kept from an earlier run counts this shard's images
+            # as readable; it must not stay visible over fewer samples.
+            storage.delete(self.manifest_url)
         storage.write_bytes(self.url, data)
-        return self.url, len(self.keys), True
+        return ShardResult(self.url, samples, len(self.keys), True, skipped)
 
 
-def _run_task(task: ShardTask) -> tuple[str, int, bool]:
+def _run_task(task: ShardTask) -> ShardResult:
     return task.run()
+
+
+def _ignore_interrupts() -> None:
+    """Worker initializer: Ctrl-C reaches the whole process group, but only the
+    parent acts on it; a worker finishes its shard in hand (an atomic write,
+    no temporary file left behind) and the parent cancels the rest."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class SkippedImages:
+    """Unreadable images left out under --on-error skip: all counted, the first few logged."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, str] = {}  # path -> reason, in write order
+
+    def add(self, path: str, reason: str) -> None:
+        if path in self.reasons:
+            return  # an upsampled copy of an image already counted
+        if len(self.reasons) < MAX_LOGGED_SKIPS:
+            log.warning("skipping unreadable image %s: %s", path, reason)
+        elif len(self.reasons) == MAX_LOGGED_SKIPS:
+            log.warning("more unreadable images; counting them without logging")
+        self.reasons[path] = reason
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+    def describe(self) -> str:
+        """'N unreadable images skipped (first: <path>: <reason>)'."""
+        path, reason = next(iter(self.reasons.items()))
+        noun = "image" if len(self) == 1 else "images"
+        return f"{len(self)} unreadable {noun} skipped (first: {path}: {reason})"
 
 
 def sample_order(num_samples: int, upsample: int, shuffle: bool, seed: int) -> np.ndarray:
@@ -120,9 +198,20 @@ def write_split(
     seed: int = 0,
     workers: int = 1,
     progress: bool = True,
+    on_error: str = "skip",
+    skipped: SkippedImages | None = None,
 ) -> tuple[ShardManifest, int]:
-    """Write one split's shards and then its manifest; returns (manifest, shards written)."""
+    """Write one split's shards and then its manifest; returns (manifest, shards written).
+
+    Unreadable image files are left out and added to skipped (on_error="skip")
+    or raise UnreadableImageError (on_error="raise"); the manifest counts the
+    samples the shards really hold.
+    """
+    if on_error not in ON_ERROR_CHOICES:
+        raise ValueError(f"on_error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
+    skipped = SkippedImages() if skipped is None else skipped
     folder = storage.join(output, split.name)
+    manifest_url = storage.join(folder, MANIFEST_NAME)
     is_train = split.name == "train"
     order = sample_order(len(split), upsample if is_train else 1, shuffle=is_train, seed=seed)
     tasks = []
@@ -136,39 +225,74 @@ def write_split(
                 labels=[int(split.labels[i]) for i in chunk],
                 image_format=image_format,
                 image_size=split.image_size[0],
+                on_error=on_error,
+                manifest_url=manifest_url,
             )
         )
-    manifest = ShardManifest(
+    planned = _make_manifest(split, image_format, [ShardInfo(t.url, len(t.keys)) for t in tasks])
+    # A manifest describing other shards (another seed, size or format) must
+    # not stay visible while its shards are overwritten: a reader would trust
+    # its counts. Without a manifest the split is plainly unusable until done.
+    # The one kept is what this run writes if every image is readable (a
+    # rerun of a finished run); ShardTask.run removes it if one is not.
+    if not storage.has_same_content(manifest_url, planned.to_json(folder).encode()) and storage.delete(
+        manifest_url
+    ):
+        log.info("%s: removed the previous manifest; it describes different shards", manifest_url)
+    results = _run_tasks(tasks, workers, split.name, len(order), progress)
+    for result in results:
+        for path, reason in result.skipped:
+            skipped.add(path, reason)
+    left_out = [item for result in results for item in result.skipped]
+    if left_out and not any(result.samples for result in results):
+        path, reason = left_out[0]
+        raise DataError(
+            f"every image of the {split.name} split is unreadable ({len(split)} images; "
+            f"first: {path}: {reason})"
+        )
+    _warn_stale_shards(folder, split.name, len(tasks))
+    # Written last, from the counts the shards really hold.
+    manifest = _make_manifest(split, image_format, [ShardInfo(r.url, r.samples) for r in results])
+    storage.write_bytes(manifest_url, manifest.to_json(folder).encode())
+    return manifest, sum(result.wrote for result in results)
+
+
+def _make_manifest(split: SplitSource, image_format: str, shards: list[ShardInfo]) -> ShardManifest:
+    return ShardManifest(
         split=split.name,
         classes=split.classes,
         image_size=split.image_size,
         channels=split.channels,
         image_format=image_format,
-        shards=[ShardInfo(t.url, len(t.keys)) for t in tasks],
+        shards=shards,
     )
-    manifest_url = storage.join(folder, MANIFEST_NAME)
-    manifest_text = manifest.to_json(folder).encode()
-    # A manifest describing other shards (another seed, size or format) must
-    # not stay visible while its shards are overwritten: a reader would trust
-    # its counts. Without a manifest the split is plainly unusable until done.
-    if not storage.has_same_content(manifest_url, manifest_text) and storage.delete(manifest_url):
-        log.info("%s: removed the previous manifest; it describes different shards", manifest_url)
-    written = 0
-    bar = tqdm(total=len(order), desc=f"{split.name} shards", unit="img", disable=not progress)
-    if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for _, count, did_write in pool.map(_run_task, tasks):
-                written += did_write
-                bar.update(count)
-    else:
-        for task in tasks:
-            _, count, did_write = task.run()
-            written += did_write
-            bar.update(count)
-    bar.close()
-    _warn_stale_shards(folder, split.name, len(tasks))
-    storage.write_bytes(manifest_url, manifest_text)
-    return manifest, written
+
+
+def _run_tasks(
+    tasks: list[ShardTask], workers: int, split: str, num_images: int, progress: bool
+) -> list[ShardResult]:
+    """Run the tasks (in worker processes when there are several of both); results in task order."""
+    bar = tqdm(total=num_images, desc=f"{split} shards", unit="img", disable=not progress)
+    pool = (
+        ProcessPoolExecutor(workers, initializer=_ignore_interrupts)
+        if workers > 1 and len(tasks) > 1
+        else None
+    )
+    results = []
+    try:
+        outcomes: Iterable[ShardResult] = (
+            pool.map(_run_task, tasks) if pool is not None else (task.run() for task in tasks)
+        )
+        for result in outcomes:
+            results.append(result)
+            bar.update(result.planned)
+    finally:
+        bar.close()
+        if pool is not None:
+            # On an error or Ctrl-C: drop the queued shards and wait for the
+            # ones in hand, so no worker outlives the command.
+            pool.shutdown(wait=True, cancel_futures=True)
+    return results
 
 
 def _warn_stale_shards(folder: str, split: str, count: int) -> None:
@@ -229,6 +353,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0,
         help="seed of the training-split write order (and of the digits train/test split)",
     )
+    parser.add_argument(
+        "--on-error",
+        choices=ON_ERROR_CHOICES,
+        default="skip",
+        help="an unreadable image file: skip (leave it out, count it, log the first "
+        f"{MAX_LOGGED_SKIPS}) or raise (stop, naming the file)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -238,6 +369,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--samples-per-shard must be at least 1")
     if args.image_size is not None and args.image_size < 1:
         parser.error("--image-size must be at least 1")
+    if args.image_size is not None and args.source_kind in FIXED_IMAGE_SIZES:
+        size = FIXED_IMAGE_SIZES[args.source_kind]
+        parser.error(f"--image-size applies to imagefolder only; {args.source_kind} images are {size}x{size}")
     return args
 
 
@@ -249,6 +383,7 @@ def make_shards(args: argparse.Namespace) -> list[ShardManifest]:
             raise ConfigError(f"{output}: bucket gs://{bucket} does not exist; create it first")
     splits = load_source(args)
     per_shard = args.samples_per_shard or DEFAULT_SAMPLES_PER_SHARD[args.source_kind]
+    skipped = SkippedImages()
     manifests = []
     for split in splits:
         manifest, written = write_split(
@@ -260,6 +395,8 @@ def make_shards(args: argparse.Namespace) -> list[ShardManifest]:
             seed=args.seed,
             workers=args.workers,
             progress=not args.no_progress,
+            on_error=args.on_error,
+            skipped=skipped,
         )
         manifests.append(manifest)
         print(
@@ -268,6 +405,8 @@ def make_shards(args: argparse.Namespace) -> list[ShardManifest]:
             f"already in place) -> {storage.join(output, split.name, MANIFEST_NAME)}",
             flush=True,
         )
+    if skipped:
+        print(skipped.describe(), file=sys.stderr, flush=True)
     return manifests
 
 
@@ -279,6 +418,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TpustreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # The worker pool is shut down on the way out (_run_tasks); shard
+        # writes are atomic and a split's manifest is written only once all
+        # its shards are, so what is left is consistent and a rerun resumes.
+        print(
+            "interrupted: the shards written so far are kept; rerun the same command to finish "
+            "(identical shards are skipped)",
+            file=sys.stderr,
+        )
+        return INTERRUPTED_EXIT_CODE
     return 0
 
 

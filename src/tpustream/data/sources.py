@@ -19,7 +19,7 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
-from tpustream.errors import ConfigError
+from tpustream.errors import ConfigError, DataError
 
 ImageRef = Union[np.ndarray, str]  # noqa: UP007 (pickled to workers; keep it obvious)
 
@@ -41,6 +41,7 @@ class SplitSource:
 
 DIGITS_SIZE = 32
 DIGITS_TEST_FRACTION = 0.2
+CIFAR_SIZE = 32
 
 
 def digits_splits(seed: int = 0) -> list[SplitSource]:
@@ -119,10 +120,10 @@ def _cifar_split(
     images, labels = [], []
     for part in parts:
         doc = files.load(part)
-        images.append(np.asarray(doc["data"], np.uint8).reshape(-1, 3, 32, 32))
+        images.append(np.asarray(doc["data"], np.uint8).reshape(-1, 3, CIFAR_SIZE, CIFAR_SIZE))
         labels.append(np.asarray(doc[label_key], np.int64))
     stacked = np.concatenate(images)
-    return SplitSource(name, classes, list(stacked), np.concatenate(labels), (32, 32))
+    return SplitSource(name, classes, list(stacked), np.concatenate(labels), (CIFAR_SIZE, CIFAR_SIZE))
 
 
 def cifar_splits(path: str, variant: str) -> list[SplitSource]:
@@ -180,11 +181,21 @@ def imagefolder_splits(path: str, image_size: int | None, default_split: str = "
                 raise ConfigError(
                     f"--source {root}/{cls}: class not present in the {split_roots[0][0]} split"
                 )
-            for dirpath, _, names in sorted(os.walk(os.path.join(root, cls))):
-                for n in sorted(names):
-                    if n.lower().endswith(IMAGE_EXTENSIONS):
-                        files.append(os.path.join(dirpath, n))
-                        labels.append(index[cls])
+            class_files = [
+                os.path.join(dirpath, n)
+                for dirpath, _, names in sorted(os.walk(os.path.join(root, cls)))
+                for n in sorted(names)
+                if n.lower().endswith(IMAGE_EXTENSIONS)
+            ]
+            # A class the model is trained on must have training images; in
+            # the other splits a class may have none (no validation images).
+            if not class_files and split == split_roots[0][0]:
+                raise ConfigError(
+                    f"--source {os.path.join(root, cls)}: class folder has no images "
+                    f"({', '.join(IMAGE_EXTENSIONS)})"
+                )
+            files += class_files
+            labels += [index[cls]] * len(class_files)
         if not files:
             raise ConfigError(f"--source {root}: no images ({', '.join(IMAGE_EXTENSIONS)})")
         splits.append(
@@ -193,17 +204,59 @@ def imagefolder_splits(path: str, image_size: int | None, default_split: str = "
     return splits
 
 
+class UnreadableImageError(DataError):
+    """An image file cannot be opened or decoded (make_shards skips or raises it per --on-error)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: cannot decode the image ({reason})")
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self):
+        # Raised in worker processes and pickled back to the parent, which
+        # would otherwise call the class with the message as its only argument.
+        return type(self), (self.path, self.reason)
+
+
+# PIL modes of 16-bit grey: PNG and TIFF give I;16 (I;16B big-endian TIFF),
+# 16-bit PGM gives I (32-bit) holding 0..65535.
+_SIXTEEN_BIT_MODES = frozenset(("I;16", "I;16L", "I;16B", "I;16N", "I"))
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL image as a new RGB image; 16-bit grey is scaled to 8 bits, not clipped.
+
+    PIL's convert("RGB") clips 16-bit values above 255, so mid grey (32768)
+    would become white. (v + 128) // 257 rounds 0..65535 onto 0..255 (mid grey
+    becomes 128), the same scaling tpustream.data.decode applies at training
+    time, so a shard stores what training would decode from the original file.
+    """
+    if image.mode in _SIXTEEN_BIT_MODES:
+        wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
+        return Image.fromarray(((wide + 128) // 257).astype(np.uint8)).convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        # A direct convert warns and asks for RGBA first; the alpha is dropped either way.
+        image = image.convert("RGBA")
+    return image.convert("RGB")
+
+
 def load_image_file(path: str, size: int) -> np.ndarray:
-    """Decode, resize the shorter side to size and center-crop to size x size; uint8 CHW RGB."""
+    """Decode, resize the shorter side to size and center-crop to size x size; uint8 CHW RGB.
+
+    Raises UnreadableImageError naming the file if it cannot be read or decoded.
+    """
     try:
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            w, h = im.size
-            scale = size / min(w, h)
-            im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
-            w, h = im.size
-            left, top = (w - size) // 2, (h - size) // 2
-            im = im.crop((left, top, left + size, top + size))
-            return np.asarray(im, np.uint8).transpose(2, 0, 1).copy()
-    except OSError as exc:  # PIL.UnidentifiedImageError, truncated files, vanished files
-        raise ConfigError(f"{path}: cannot decode the image ({exc})") from exc
+        with Image.open(path) as opened:
+            im = _to_rgb(opened)
+    # OSError: PIL.UnidentifiedImageError, truncated or vanished files;
+    # SyntaxError and ValueError: malformed headers and chunks, unconvertible
+    # modes; DecompressionBombError: PIL refuses images of absurd pixel counts.
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise UnreadableImageError(path, " ".join(str(exc).split()) or type(exc).__name__) from exc
+    w, h = im.size
+    scale = size / min(w, h)
+    im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+    w, h = im.size
+    left, top = (w - size) // 2, (h - size) // 2
+    im = im.crop((left, top, left + size, top + size))
+    return np.asarray(im, np.uint8).transpose(2, 0, 1).copy()
