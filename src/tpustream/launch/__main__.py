@@ -20,15 +20,18 @@ from tpustream.launch.pod import DEFAULT_WORKDIR, LaunchSpec, dry_run_lines, lau
 
 EPILOG = f"""\
 The command after -- runs in WORKDIR on every host as
-  cd WORKDIR && env PJRT_DEVICE=TPU K=V ... COMMAND
-with every token quoted, so overrides arrive exactly as typed here (spaces, $,
-quotes, *, brace patterns such as gs://b/train-{{000000..000639}}.tar).
+  cd WORKDIR && env PJRT_DEVICE=TPU TPUSTREAM_HOST_INDEX=I K=V ... COMMAND
+in a process group of its own (recorded in ~/.tpustream/runs/RUN_ID.I.pid, its
+processes marked with TPUSTREAM_RUN_ID), with every token quoted, so overrides
+arrive exactly as typed here (spaces, $, quotes, *, brace patterns such as
+gs://b/train-{{000000..000639}}.tar).
 
 --sync copies the git-tracked files of this checkout to WORKDIR on every host and
 installs them into WORKDIR/.venv (pip install -e '.[tpu]'): the command is then
   .venv/bin/python train.py accelerator=tpu ...
 
-If a worker fails, the others are stopped and the training is killed on every host.
+If a worker fails, the others are stopped: SIGTERM (then SIGKILL) to exactly the process
+groups this launch started on each host, never to other jobs that look alike.
 --restart relaunches after exit {PREEMPTED_EXIT_CODE} (preempted, last.pt saved) or 255 (ssh connection
 lost) once the TPU VM is READY again; train.py resumes from last.pt (resume=auto).
 

@@ -8,8 +8,9 @@ others keep waiting in a collective forever while gcloud waits for them.
 
 So this module starts one ``gcloud compute tpus tpu-vm ssh --worker=I`` per
 host, prefixes every output line with its host, and when one host fails it
-stops the others and kills the training on every host. With ``restart`` it
-relaunches a run that ended by preemption (exit 75: last.pt is saved, and
+stops the others and kills the training on every host: exactly the process
+groups this launch started, which each host records in ~/.tpustream/runs.
+With ``restart`` it relaunches a run that ended by preemption (exit 75: last.pt is saved, and
 ``resume=auto`` continues from it) or by a lost ssh connection (exit 255).
 
 The functions that build gcloud commands are pure (argv lists, tested without
@@ -70,9 +71,17 @@ CLEANUP_KILL_AFTER_SECONDS = 10
 CLEANUP_TIMEOUT_SECONDS = 300  # gcloud alone retries a lost connection for about a minute
 DESCRIBE_TIMEOUT_SECONDS = 120
 STOP_TIMEOUT_SECONDS = 5
+# In the ssh user's home on each host: RUN_ID.WORKER.pid holds the process group
+# that worker's training leads. A file is left behind when its training ends by
+# itself (nothing runs after the exec that could remove it): a few bytes per
+# launch, and harmless, since only a file of the current launch is ever read,
+# and only a group carrying its run id is stopped.
+RUNS_DIR = ".tpustream/runs"
+# Set in the training's environment, so inherited by its replicas and workers: the
+# cleanup stops a recorded group only if a process in it carries this launch's id.
+RUN_ID_VARIABLE = "TPUSTREAM_RUN_ID"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_ERE_SPECIAL = re.compile(r"([.\[\](){}*+?|^$\\])")
 # Not shipped by --sync when the source is not a git checkout.
 _SKIP_ANYWHERE = {".git", ".venv", "venv", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache"}
 _SKIP_TOP_LEVEL = {"data", "outputs", "multirun", "build", "dist"}
@@ -160,23 +169,49 @@ def shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
-def remote_run_command(spec: LaunchSpec, host: int | None = None) -> str:
-    """``cd WORKDIR && env PJRT_DEVICE=TPU K=V ... COMMAND`` with every user token quoted.
+def new_run_id() -> str:
+    """A fresh id per launch: it names the launch's pid files and marks its processes."""
+    return secrets.token_hex(8)
+
+
+def remote_run_command(spec: LaunchSpec, host: int, run_id: str) -> str:
+    """``cd WORKDIR && setsid --wait sh -c RECORD tpustream env PJRT_DEVICE=TPU K=V ... COMMAND; exit $?``.
 
     Overrides such as ``data.train_shards=gs://b/train-{000000..000639}.tar`` or
-    ``name='a b'`` must reach train.py as typed, not brace- or glob-expanded.
-    TPUSTREAM_HOST_INDEX tells train.py which host it runs on: only host 0
-    counts shards without recorded sample counts, the others wait for its index.
+    ``name='a b'`` must reach train.py as typed, not brace- or glob-expanded:
+    every user token is quoted once for the host's shell, and RECORD passes them
+    on with ``exec "$@"``. TPUSTREAM_HOST_INDEX tells train.py which host it runs
+    on: only host 0 counts shards without recorded sample counts, the others
+    wait for its index.
+
+    So that the cleanup stops this training and nothing else, the command leads
+    a new process group (setsid) and RECORD writes that group's id, its own pid,
+    to ``~/RUNS_DIR/RUN_ID.HOST.pid`` before it execs env and COMMAND: the exec
+    chain keeps the pid, so COMMAND itself leads the group and gets the
+    cleanup's SIGTERM, and its exit code is the shell's. ``; exit $?`` keeps the
+    login shell from exec'ing setsid (bash and dash do that with the last
+    command): the login shell leads a group, and setsid called from a group
+    leader has to fork. --wait makes a forked setsid still pass the exit code on.
     """
-    host_env = [("TPUSTREAM_HOST_INDEX", str(host))] if host is not None else []
-    assignments = [("PJRT_DEVICE", "TPU"), *host_env, *spec.env]
+    assignments = [
+        ("PJRT_DEVICE", "TPU"),
+        ("TPUSTREAM_HOST_INDEX", str(host)),
+        *spec.env,
+        (RUN_ID_VARIABLE, run_id),  # last: an --env of the same name must not hide the training
+    ]
     env = " ".join(shlex.quote(f"{name}={value}") for name, value in assignments)
-    return f"cd {shell_path(spec.workdir)} && env {env} {shlex.join(spec.command)}"
+    record = f'mkdir -p "$HOME/{RUNS_DIR}" && echo $$ > "$HOME/{RUNS_DIR}/{run_id}.{host}.pid" && exec "$@"'
+    return (
+        f"cd {shell_path(spec.workdir)} && setsid --wait sh -c {shlex.quote(record)} tpustream "
+        f"env {env} {shlex.join(spec.command)}; exit $?"
+    )
 
 
-def worker_commands(spec: LaunchSpec, num_workers: int) -> list[list[str]]:
+def worker_commands(spec: LaunchSpec, num_workers: int, run_id: str) -> list[list[str]]:
     """One gcloud ssh per worker, so each process's output belongs to one host."""
-    return [ssh_command(spec, worker, remote_run_command(spec, worker)) for worker in range(num_workers)]
+    return [
+        ssh_command(spec, worker, remote_run_command(spec, worker, run_id)) for worker in range(num_workers)
+    ]
 
 
 def preflight_command(spec: LaunchSpec) -> list[str]:
@@ -185,7 +220,7 @@ def preflight_command(spec: LaunchSpec) -> list[str]:
 
 
 def process_tokens(command: Sequence[str]) -> list[str]:
-    """The tokens that identify the training process: the program and its script or module.
+    """The tokens that name the training in messages: the program and its script or module.
 
     ``.venv/bin/python train.py ...`` -> ``.venv/bin/python train.py``;
     ``python -m pkg.mod ...`` -> ``python -m pkg.mod``.
@@ -196,38 +231,54 @@ def process_tokens(command: Sequence[str]) -> list[str]:
     return list(command)
 
 
-def process_pattern(command: Sequence[str]) -> str:
-    """An extended regex (pgrep -f) matching the training process's command line literally."""
-    return _ERE_SPECIAL.sub(r"\\\1", " ".join(process_tokens(command)))
+def cleanup_script(run_id: str) -> str:
+    """Shell code that stops this launch's training on one host, and nothing else.
 
-
-def cleanup_script(command: Sequence[str]) -> str:
-    """Shell code that kills the training on one host: every process group running the command.
-
-    A process group, not one pid: xmp.spawn's replicas and DataLoader workers
-    do not have train.py in their command line, but share its group. The
-    cleanup shell's own group is left alone: its command line contains the
-    pattern too. SIGTERM first, SIGKILL for whatever is left after a while.
+    The process groups come from the pid files this launch's commands wrote
+    (see remote_run_command), not from a command-line pattern: a colleague's
+    run of the same train.py, or a ``tail -f`` of a file named like it, matches
+    a pattern too. A recorded group is stopped only if one of its live processes
+    carries ``TPUSTREAM_RUN_ID=RUN_ID``: the file outlives a training that ended
+    by itself, and by now its number may lead someone else's group. The whole
+    group, not one pid: xmp.spawn's replicas and DataLoader workers do not run
+    train.py but share its group. SIGTERM first (train.py saves and exits),
+    SIGKILL for whatever is left after CLEANUP_KILL_AFTER_SECONDS. Every file of
+    the launch is read, as a home shared by several hosts holds them all.
     """
-    pattern = shlex.quote(process_pattern(command))
+    marker = shlex.quote(f"{RUN_ID_VARIABLE}={run_id}")
     rounds = CLEANUP_KILL_AFTER_SECONDS * 2
     return (
-        f"pattern={pattern}; self=$(ps -o pgid= -p $$ | tr -d ' '); "
-        'groups=$(for pid in $(pgrep -f -- "$pattern"); do ps -o pgid= -p "$pid"; done '
-        "| tr -d ' ' | sort -u | grep -vx \"$self\" | tr '\\n' ' '); "
-        '[ -n "$groups" ] || exit 0; '
-        'echo "$(hostname): stopping process group(s) $(echo $groups)"; '
         # Zombies do not count: they are dead, and may wait a while for their reaper.
-        'running() { ps -eo pgid=,stat= | awk -v g=" $groups" '
-        '\'index(g, " " $1 " ") && $2 !~ /^Z/ {n++} END {exit !n}\'; }; '
-        'for g in $groups; do kill -TERM -- "-$g" 2>/dev/null; done; '
-        f"for i in $(seq {rounds}); do running || exit 0; sleep 0.5; done; "
-        'for g in $groups; do kill -KILL -- "-$g" 2>/dev/null; done; exit 0'
+        "members() { ps -eo pid=,pgid=,stat= | awk -v g=\"$1\" '$2 == g && $3 !~ /^Z/ {print $1}'; }; "
+        "groups=; "
+        f'for f in "$HOME"/{RUNS_DIR}/{run_id}.*.pid; do '
+        '[ -f "$f" ] || continue; g=$(cat "$f"); '
+        'for p in $(members "$g"); do '
+        f"if tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qxF {marker}; "
+        'then groups="$groups $g"; break; fi; '
+        "done; done; "
+        '[ -n "$groups" ] || exit 0; '
+        'echo "$(hostname): stopping process group(s)$groups"; '
+        'left() { for g in $groups; do [ -z "$(members "$g")" ] || return 0; done; return 1; }; '
+        # No "--" before the negative group id: dash's kill takes none.
+        'for g in $groups; do kill -TERM "-$g" 2>/dev/null; done; '
+        f"for i in $(seq {rounds}); do left || exit 0; sleep 0.5; done; "
+        'for g in $groups; do kill -KILL "-$g" 2>/dev/null; done; exit 0'
     )
 
 
-def cleanup_command(spec: LaunchSpec) -> list[str]:
-    return ssh_command(spec, "all", cleanup_script(spec.command))
+def cleanup_command(spec: LaunchSpec, run_id: str) -> list[str]:
+    return ssh_command(spec, "all", cleanup_script(run_id))
+
+
+def leftovers_command(spec: LaunchSpec, run_id: str) -> list[str]:
+    """List what is left of this launch's training on every host: the processes carrying its run id."""
+    marker = shlex.quote(f"{RUN_ID_VARIABLE}={run_id}")
+    return ssh_command(
+        spec,
+        "all",
+        f"grep -lxzF {marker} /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 | xargs -r ps -o pid=,args= -p",
+    )
 
 
 def sync_script(spec: LaunchSpec, remote_tarball: str) -> str:
@@ -276,8 +327,16 @@ def dry_run_lines(spec: LaunchSpec) -> list[str]:
         lines += [quote(argv) for argv in sync_commands(spec, "LOCAL_TARBALL", new_remote_tarball())]
     else:
         lines.append(quote(preflight_command(spec)))
-    lines += [quote(argv) for argv in worker_commands(spec, shown)]
-    lines += ["# if a worker fails, the others are stopped and this runs:", quote(cleanup_command(spec))]
+    run_id = new_run_id()
+    lines.append(
+        f"# each worker records its process group in ~/{RUNS_DIR}/{run_id}.WORKER.pid "
+        f"({run_id} is new for every launch)"
+    )
+    lines += [quote(argv) for argv in worker_commands(spec, shown, run_id)]
+    lines += [
+        "# if a worker fails, the others are stopped and this stops the recorded groups:",
+        quote(cleanup_command(spec, run_id)),
+    ]
     if spec.restart:
         lines.append(
             f"# --restart: after exit {PREEMPTED_EXIT_CODE} or {CONNECTION_LOST_EXIT_CODE}, describe until "
@@ -470,7 +529,7 @@ class AttemptResult:
         return "; ".join(parts)
 
 
-def run_workers(spec: LaunchSpec, num_workers: int, console: Console) -> AttemptResult:
+def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Console) -> AttemptResult:
     """Run the command on every worker at once and wait for all, or for a failure.
 
     After the first failure the others get ``spec.grace`` seconds to end by
@@ -488,7 +547,7 @@ def run_workers(spec: LaunchSpec, num_workers: int, console: Console) -> Attempt
             reader.join(STOP_TIMEOUT_SECONDS)  # its last lines come before the summary
         events.put((worker, code))
 
-    for worker, argv in enumerate(worker_commands(spec, num_workers)):
+    for worker, argv in enumerate(worker_commands(spec, num_workers, run_id)):
         procs[worker] = proc = start(argv)
         relays[worker] = console.follow(proc, f"[worker {worker}] ")
         threading.Thread(target=wait, args=(worker, proc, relays[worker]), daemon=True).start()
@@ -525,12 +584,12 @@ def run_workers(spec: LaunchSpec, num_workers: int, console: Console) -> Attempt
     return AttemptResult(exits, tuple(stopped), interrupted)
 
 
-def cleanup(spec: LaunchSpec, console: Console) -> bool:
-    """Kill the training on every host; gcloud ssh ending does not end the remote command."""
-    console.say(f"stopping `{' '.join(process_tokens(spec.command))}` on every worker")
-    code = run_streamed(cleanup_command(spec), console, "[cleanup] ", timeout=CLEANUP_TIMEOUT_SECONDS)
+def cleanup(spec: LaunchSpec, run_id: str, console: Console) -> bool:
+    """Stop this launch's training on every host; gcloud ssh ending does not end the remote command."""
+    console.say(f"stopping `{' '.join(process_tokens(spec.command))}` of run {run_id} on every worker")
+    code = run_streamed(cleanup_command(spec, run_id), console, "[cleanup] ", timeout=CLEANUP_TIMEOUT_SECONDS)
     if code != 0:
-        check = ssh_command(spec, "all", f"pgrep -af {shlex.quote(process_pattern(spec.command))}")
+        check = leftovers_command(spec, run_id)
         console.say(
             f"the cleanup failed (gcloud exit code {code}): the training may still run on some workers; "
             f"check with: {shlex.join(check)}"
@@ -674,19 +733,22 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
         if not info.num_workers:
             raise TpustreamError(f"TPU {spec.tpu} is {info.state} but lists no networkEndpoints (hosts)")
         num_workers = info.num_workers
-    console.say(f"TPU {spec.tpu}: {num_workers} worker(s), each runs: {remote_run_command(spec)}")
+    # One per launch: a restart's commands rewrite the pid files only after the cleanup has read them.
+    run_id = new_run_id()
+    first = remote_run_command(spec, 0, run_id)
+    console.say(f"TPU {spec.tpu}: {num_workers} worker(s), run {run_id}; worker 0 runs: {first}")
     restarts = 0
     while True:
         if spec.sync:
             sync(spec, console)  # again after a restart: a recreated TPU VM has new disks
         else:
             check_ssh(spec)
-        result = run_workers(spec, num_workers, console)
+        result = run_workers(spec, num_workers, run_id, console)
         if result.ok:
             console.say(f"all {num_workers} worker(s) exited with 0")
             return 0
         console.say(result.summary())
-        cleaned = cleanup(spec, console)
+        cleaned = cleanup(spec, run_id, console)
         reason = result.restart_reason()
         if reason is None or not spec.restart:
             if reason:
@@ -703,4 +765,4 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
         if spec.num_workers is None:
             num_workers = info.num_workers
         if not cleaned:
-            cleanup(spec, console)  # the hosts may have been unreachable the first time
+            cleanup(spec, run_id, console)  # the hosts may have been unreachable the first time
