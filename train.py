@@ -14,6 +14,17 @@ import time
 # multirun run in the same process and count from their own start.
 PROCESS_START = [time.time()]
 
+if __name__ == "__mp_main__":
+    # This file is also the main module of the processes that xmp.spawn and
+    # the simulated pod start, and of their DataLoader workers; this runs on
+    # their main thread, the only one allowed to install signal handlers, so
+    # SIGTERM and SIGINT become a stop request there instead of killing them
+    # mid-step. First thing, before the heavy imports: a worker killed by a
+    # signal in the second it spends importing torch would fail its replica.
+    from tpustream.preemption import install_stop_handlers as install_early
+
+    install_early()
+
 import logging
 import sys
 
@@ -28,12 +39,15 @@ from tpustream.preemption import Preempted, install_stop_handlers
 log = logging.getLogger("train")
 register_configs()
 
-if __name__ == "__mp_main__":
-    # This file is also the main module of the processes that xmp.spawn and
-    # the simulated pod start (and of their DataLoader workers); this runs on
-    # their main thread, the only one allowed to install signal handlers, so
-    # SIGTERM becomes a stop request there instead of killing them mid-step.
-    install_stop_handlers()
+# Jobs of a Hydra multirun that failed: the sweep goes on, and the process exits non-zero at its end.
+FAILED_JOBS: list[str] = []
+
+
+def is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -51,6 +65,12 @@ def main(cfg: DictConfig) -> None:
         sys.exit(PREEMPTED_EXIT_CODE)
     except TpustreamError as exc:
         log.error("%s", exc)
+        if is_multirun():
+            # One job's bad config or data must not cost the other jobs their runs.
+            from hydra.core.hydra_config import HydraConfig
+
+            FAILED_JOBS.append(f"job {HydraConfig.get().job.num}: {exc}")
+            return
         sys.exit(2)
     if result and not cfg.eval_only:
         print(describe_result(result, cfg.output_dir), flush=True)
@@ -58,3 +78,6 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    if FAILED_JOBS:
+        print(f"{len(FAILED_JOBS)} job(s) of the multirun failed: {'; '.join(FAILED_JOBS)}", file=sys.stderr)
+        sys.exit(2)

@@ -119,7 +119,7 @@ def test_damage_is_detected_with_a_clear_message(tmp_path):
         load_checkpoint(str(tmp_path / "other.pt"))
 
 
-def test_resume_auto_falls_back_to_best_then_to_a_fresh_start(tmp_path, caplog):
+def test_resume_auto_falls_back_to_best_and_never_silently_past_damaged_checkpoints(tmp_path, caplog):
     out = str(tmp_path / "run")
     runtime = HostRuntime()
     save_checkpoint(runtime, checkpoint_url(out, BEST), sample_state(epoch=2))
@@ -131,8 +131,18 @@ def test_resume_auto_falls_back_to_best_then_to_a_fresh_start(tmp_path, caplog):
     assert "last.pt: checksum mismatch" in caplog.text
     best = tmp_path / "run" / "checkpoints" / "best.pt"
     best.write_bytes(best.read_bytes()[:100])
-    assert resolve_resume("auto", out) is None  # neither usable: a fresh start, with both errors logged
-    with pytest.raises(CheckpointError, match="checksum mismatch"):
+    # Neither usable: an error naming both, not a fresh start that would overwrite them.
+    with pytest.raises(
+        ConfigError, match=r"no usable checkpoint .*last.pt: checksum mismatch.*best.pt: damaged"
+    ):
+        resolve_resume("auto", out)
+    best.unlink()
+    last.write_bytes(b"")  # a zero-byte last.pt (a disk that filled up) and no best.pt
+    with pytest.raises(
+        ConfigError, match=r"last.pt: damaged or not a checkpoint \(the file is empty\).*resume=null"
+    ):
+        resolve_resume("auto", out)
+    with pytest.raises(CheckpointError, match="the file is empty"):
         resolve_resume(str(last), out)  # an explicit checkpoint must be valid
     with pytest.raises(ConfigError, match="no checkpoint at"):
         resolve_resume(str(tmp_path / "missing.pt"), out)

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from tests.conftest import REPO
 from tpustream.config import Device, LastBatch, OnError, OptimizerName, Precision, Strategy, TrainConfig
 from tpustream.launch import resolve_config
-from tpustream.launch.local import DEFAULT_XLA_CACHE
+from tpustream.launch.checks import DEFAULT_XLA_CACHE
 
 
 def test_default_config_is_digits_small_cnn_sgd_cpu(compose_config):

@@ -137,6 +137,7 @@ def test_train_on_img2dataset_shards_in_a_bucket_with_bad_samples_and_a_wids_ind
         "data.image_size=32",
         "data.label_key=json:label",
         "data.index=never",  # every count is recorded: _stats.json and the wids index
+        "data.max_bad_fraction=0.05",  # 2% of the training images are broken on purpose
         "epochs=4",
         f"output_dir={run}",
         f"hydra.run.dir={tmp_path}/h",

@@ -57,6 +57,14 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["data.image_size=64"], "data.image_size=64, but the manifest of .* says its images are 32x32"),
         (["data.stages=[nowhere.module:stage]"], r"data.stages entry 'nowhere.module:stage': cannot import"),
         (["data.stages=[tests.user_stages:missing]"], "has no callable 'missing'"),
+        (["optim.lr=-0.1"], r"optim.lr must be a positive number, got -0.1"),
+        (["seed=-1"], "seed must be >= 0"),
+        (["data.prefetch_factor=0"], "data.prefetch_factor must be at least 1, got 0"),
+        (["optim.label_smoothing=1.5"], r"optim.label_smoothing must be in \[0, 1\), got 1.5"),
+        (["data=data_schema"], r"data.name has no value: .*\(data=digits, not data=data_schema\)"),
+        (["+optim.lrr=0.1"], r"unknown config key optim.lrr \(known here: lr\)"),
+        (["accelerator=tpu"], "accelerator=tpu, but this machine has no TPU chips"),
+        (["output_dir=/dev/null/run"], r"output_dir: /dev/null/run: cannot write here"),
     ],
 )
 def test_bad_config_is_a_config_error(prepared, overrides, message):
@@ -114,3 +122,40 @@ def test_replicas_that_planned_from_different_counts_stop_before_the_first_step(
     check_same_counts(FakeRuntime([mine, mine]), plan.train, plan.val)
     with pytest.raises(ConfigError, match=f"different shard counts \\(this host {mine}, others 0123"):
         check_same_counts(FakeRuntime([mine, "0123"]), plan.train, plan.val)
+
+
+def test_a_bad_environment_setting_is_one_line_before_spawning(prepared, monkeypatch):
+    monkeypatch.setenv("TPUSTREAM_GCS_RETRY_SECONDS", "abc")
+    with pytest.raises(ConfigError, match="TPUSTREAM_GCS_RETRY_SECONDS='abc': expected a positive number"):
+        prepared()
+
+
+def test_output_dir_in_a_missing_bucket_fails_before_training(prepared, gcs_emulator):
+    with pytest.raises(ConfigError, match="output_dir: gs://no-such-bucket-tps/run: cannot write here"):
+        prepared("output_dir=gs://no-such-bucket-tps/run")
+
+
+def test_resuming_another_model_is_one_line_naming_the_tensor(prepared, tmp_path):
+    from tpustream import storage
+    from tpustream.checkpoint import encode_checkpoint
+    from tpustream.models import create_model
+
+    out = str(tmp_path / "run")
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3, width=8).state_dict()
+    storage.write_bytes(f"{out}/checkpoints/last.pt", encode_checkpoint({"model": weights}))
+    prepared(f"output_dir={out}", "resume=auto", "model.options.width=8")  # the same model: fine
+    with pytest.raises(
+        ConfigError, match=r"holds another model than model=small_cnn with 10 classes \(.* differ"
+    ):
+        prepared(f"output_dir={out}", "resume=auto")
+
+
+@pytest.mark.slow
+def test_one_bad_job_of_a_multirun_does_not_stop_the_others(digits_root, tmp_path):
+    result = run_train(
+        "-m", f"data.root={digits_root}", "seed=-1,-2", f"hydra.sweep.dir={tmp_path}/sweep", "log_dir=null"
+    )
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert output.count("seed must be >= 0") >= 2  # the second job ran after the first failed
+    assert "2 job(s) of the multirun failed: job 0: seed must be >= 0" in result.stderr

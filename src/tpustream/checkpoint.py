@@ -112,7 +112,11 @@ def decode_checkpoint(data: bytes, source: str) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged file
-        reason = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:120]}"
+        # Some carry no message at all (EOFError for a zero-byte file).
+        lines = str(exc).strip().splitlines()
+        reason = f"{exc.__class__.__name__}: {lines[0][:120]}" if lines else exc.__class__.__name__
+        if not data:
+            reason = "the file is empty"
         raise CheckpointError(f"{source}: damaged or not a checkpoint ({reason})") from None
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{source}: not a tpustream checkpoint (version {CHECKPOINT_VERSION})")
@@ -158,7 +162,9 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     """The checkpoint URL to continue from, or None to start fresh.
 
     "auto" continues from output_dir's last.pt; if that is damaged it says
-    so and uses best.pt; if neither is usable it starts fresh (and says why).
+    so and uses best.pt. If checkpoints are there but none is usable, that is
+    an error, not a fresh start: the new run would overwrite them and the
+    user would lose whatever a repair could still save.
     An explicit path or URL must be a valid checkpoint.
     """
     if resume is None or resume == "":
@@ -169,15 +175,25 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
             raise ConfigError(f"resume={resume}: no checkpoint at {url}")
         load_checkpoint(url)
         return url
+    damaged = []
     for name in (LAST, BEST):
         url = checkpoint_url(output_dir, name)
         if not storage.exists(url):
             continue
         try:
             load_checkpoint(url)
-            return url
         except CheckpointError as exc:
             log.error("resume=auto: %s; trying the next checkpoint", exc)
+            damaged.append(str(exc))
+            continue
+        if damaged:
+            log.warning("resume=auto: continuing from %s instead", url)
+        return url
+    if damaged:
+        raise ConfigError(
+            f"resume=auto: no usable checkpoint in {output_dir}/checkpoints ({'; '.join(damaged)}); "
+            "move them away to keep them, or set resume=null to start fresh and overwrite them"
+        )
     return None
 
 

@@ -116,6 +116,9 @@ class DataConfig:
     shuffle_buffer: int = 2000
     last_batch: LastBatch = LastBatch.pad
     on_error: OnError = OnError.skip
+    # Stop the run when more than this fraction of a split's samples were bad
+    # or missing in an epoch (on_error=skip): padding a broken dataset is not training.
+    max_bad_fraction: float = 0.01
     # Random crop after zero-padding by this many pixels (0 = no crop).
     crop_padding: int = 4
     hflip: bool = True
@@ -237,6 +240,8 @@ class TrainConfig:
     eval_every: int = 1
     # Stop after this many evaluations without a better validation accuracy (0 = never).
     early_stop_patience: int = 0
+    # Stop with an error when an epoch's loss is NaN or infinite (checkpoints keep the last finite epoch).
+    stop_on_nonfinite_loss: bool = True
     # Persistent XLA compilation cache, a local folder (one subfolder per
     # replica process), so a rerun of the same config skips compiling.
     # auto: ~/.cache/tpustream/xla on TPU, off on CPU (torch_xla 2.9's CPU

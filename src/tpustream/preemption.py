@@ -10,11 +10,19 @@ replicas agree on that flag at a step boundary, save last.pt, and stop.
 
 The flag is process-wide on purpose: a signal is delivered to a process, and
 every replica thread of that process must see it.
+
+SIGINT (Ctrl-C) is a stop request too, and a process that gets either signal
+passes SIGTERM on to the processes it started: ``docker stop`` and Kubernetes
+signal only the container's first process (train.py), whose replicas would
+otherwise never hear of it and be killed outright when the grace period ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -24,7 +32,7 @@ from tpustream.errors import PREEMPTED_EXIT_CODE
 log = logging.getLogger(__name__)
 
 _requested = threading.Event()
-STOP_SIGNALS = (signal.SIGTERM,)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Preempted(Exception):
@@ -42,6 +50,47 @@ def _on_signal(signum: int, frame) -> None:
             "received %s: finishing the current step, saving last.pt, then stopping",
             signal.Signals(signum).name,
         )
+    forward_stop_to_children()
+
+
+def forward_stop_to_children() -> None:
+    """SIGTERM to every process this one started (replicas; DataLoader workers ignore it).
+
+    Then again every FORWARD_AGAIN_SECONDS while they live, from a thread: a
+    child still starting (before its handler is installed) or one that missed
+    the signal would otherwise be killed outright when the grace period ends.
+    """
+    _signal_children()
+    global _forwarder
+    if _forwarder is None or not _forwarder.is_alive():
+        _forwarder = threading.Thread(target=_keep_forwarding, name="stop-forwarder", daemon=True)
+        _forwarder.start()
+
+
+FORWARD_AGAIN_SECONDS = 1.0
+_forwarder: threading.Thread | None = None  # one per process: the stop flag is process-wide too
+
+
+def _signal_children() -> bool:
+    """SIGTERM to this process's live children; False if there are none."""
+    children = multiprocessing.active_children()
+    for child in children:
+        with contextlib.suppress(ProcessLookupError, TypeError):  # gone, or not started yet (pid None)
+            os.kill(child.pid, signal.SIGTERM)
+    return bool(children)
+
+
+def _keep_forwarding() -> None:
+    while True:
+        time.sleep(FORWARD_AGAIN_SECONDS)
+        if not _signal_children():
+            return
+
+
+def ignore_stop_signals() -> None:
+    """In a helper process (DataLoader worker): ignore stop signals; its replica decides when to stop."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def install_stop_handlers() -> bool:

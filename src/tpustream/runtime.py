@@ -336,3 +336,10 @@ def current_replica() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def count_tpu_chips() -> int:
+    """TPU chips on this machine's PCI bus, as torch_xla counts them (0 on a machine without)."""
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_chips()

@@ -31,6 +31,7 @@ from tpustream import checkpoint, observe, preemption
 from tpustream.config import OptimizerName, Precision, Schedule, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
 from tpustream.data.loader import CountingLoader
+from tpustream.epoch_checks import check_epoch
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 
@@ -634,6 +635,7 @@ class Trainer:
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Record metrics; the master writes best.pt on improvement and last.pt always."""
+        check_epoch(epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss)
         evaluated = "val_accuracy" in metrics
         improved = evaluated and metrics["val_accuracy"] > self.best_accuracy
         if improved:

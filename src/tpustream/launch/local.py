@@ -14,31 +14,35 @@ import hashlib
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from tpustream import storage
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint, read_metrics, resolve_resume
-from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig
-from tpustream.data.decode import check_image_key, check_label_key
+from tpustream.config import Collectives, Device, TrainConfig
 from tpustream.data.manifest import ShardManifest
-from tpustream.data.sharding import describe_sharing, plan_layout
-from tpustream.data.splits import SplitOptions, load_split
-from tpustream.data.stages import load_user_stage
+from tpustream.data.sharding import describe_sharing
+from tpustream.data.splits import load_split
 from tpustream.errors import ConfigError, TpustreamError
+from tpustream.launch.checks import (
+    check_accelerator_present,
+    check_config,
+    check_data,
+    check_environment,
+    check_resume_fits,
+    check_run_folders,
+    known_world_size,
+    resolve_config,
+    split_options,
+)
 from tpustream.logs import setup_replica_logging, setup_worker_logging
-from tpustream.models import check_model_options, create_model
-from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers
+from tpustream.models import create_model
+from tpustream.preemption import Preempted, exit_with_parent, ignore_stop_signals, install_stop_handlers
 
 log = logging.getLogger(__name__)
-
-# The upstream bug that makes multi-device XLA:CPU unusable for training.
-CPU_COLLECTIVES_BUG = "https://github.com/pytorch/xla/issues/9089"
 
 
 @dataclass
@@ -53,170 +57,13 @@ class RunPlan:
     started_at: float | None = None  # when train.py started (time.time()), for set-up time
 
 
-def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
-    """Resolve interpolations (Hydra's resolvers exist only in this process) and make paths absolute."""
-    OmegaConf.resolve(cfg)
-    for key in ("data.root", "data.train_shards", "data.val_shards", "output_dir", "log_dir"):
-        value = OmegaConf.select(cfg, key)
-        if isinstance(value, str) and value:
-            OmegaConf.update(cfg, key, storage.absolute(value))
-        elif OmegaConf.is_list(value):
-            OmegaConf.update(
-                cfg, key, [storage.absolute(v) if isinstance(v, str) else v for v in value], merge=False
-            )
-    cfg.xla_cache_dir = resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
-    typed: TrainConfig = OmegaConf.to_object(cfg)
-    plain = OmegaConf.to_container(cfg, enum_to_str=True)
-    return typed, plain
-
-
-# Where xla_cache_dir=auto keeps the persistent compile cache on TPU hosts.
-DEFAULT_XLA_CACHE = "~/.cache/tpustream/xla"
-
-
-def resolve_xla_cache_dir(value: str | None, device: Device | str) -> str | None:
-    """xla_cache_dir as a local absolute folder, or None (off).
-
-    auto is on for TPU only: torch_xla 2.9's CPU client writes cache entries
-    it then cannot load ("Deserializing serialized executable not supported",
-    measured in bench/EPOCH_TIME.md), so on CPU a cache costs writes and
-    warnings and saves nothing.
-    """
-    if value is None or value == "":
-        return None
-    if value == "auto":
-        return os.path.expanduser(DEFAULT_XLA_CACHE) if Device(device) == Device.TPU else None
-    if storage.is_gcs(value):
-        raise ConfigError(f"xla_cache_dir={value}: the compile cache must be a local folder")
-    return storage.absolute(os.path.expanduser(value))
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Checks that need no data and no device."""
-    acc = cfg.accelerator
-    if acc.collectives == Collectives.gloo:
-        if acc.device != Device.CPU:
-            raise ConfigError(
-                "accelerator.collectives=gloo is the simulated pod: it needs accelerator.device=CPU"
-            )
-        if acc.num_devices is None or acc.num_devices < 1:
-            raise ConfigError("the simulated pod (collectives=gloo) needs accelerator.num_devices >= 1")
-    elif acc.device == Device.CPU and acc.num_devices not in (None, 1):
-        raise ConfigError(
-            f"accelerator.num_devices={acc.num_devices} on CPU: XLA:CPU collectives deadlock "
-            f"with more than one device ({CPU_COLLECTIVES_BUG}); use 1, or accelerator=cpu_pod "
-            "to simulate several replicas over gloo"
-        )
-    if acc.device == Device.TPU and acc.num_devices not in (None, 1):
-        raise ConfigError(
-            f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
-            "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
-        )
-    for name, value in (
-        ("batch_size", cfg.batch_size),
-        ("epochs", cfg.epochs),
-        ("log_steps", cfg.log_steps),
-        ("micro_batches", cfg.micro_batches),
-    ):
-        if value < 1:
-            raise ConfigError(f"{name} must be at least 1, got {value}")
-    if cfg.batch_size % cfg.micro_batches:
-        raise ConfigError(
-            f"micro_batches={cfg.micro_batches} must divide batch_size={cfg.batch_size} "
-            "(every micro-batch has the same shape, so the step compiles once)"
-        )
-    if cfg.eval_every < 0:
-        raise ConfigError(f"eval_every must be >= 0 (0 = never), got {cfg.eval_every}")
-    if cfg.eval_every == 0 and cfg.early_stop_patience:
-        raise ConfigError("early_stop_patience needs validation; eval_every=0 turns it off")
-    if cfg.optim.reference_batch_size is not None and cfg.optim.reference_batch_size < 1:
-        raise ConfigError(
-            f"optim.reference_batch_size must be at least 1, got {cfg.optim.reference_batch_size}"
-        )
-    if not 0 <= cfg.debug.profiler_port < 65536:
-        raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {cfg.debug.profiler_port}")
-    if cfg.strategy == Strategy.fsdp:
-        if acc.collectives == Collectives.gloo:
-            raise ConfigError(
-                "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
-                "pod (accelerator=cpu_pod) runs strategy=ddp only"
-            )
-        if cfg.debug.check_sync_every:
-            raise ConfigError(
-                "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
-                "replica holds a different shard"
-            )
-    if cfg.debug.check_sync_every < 0:
-        raise ConfigError(f"debug.check_sync_every must be >= 0, got {cfg.debug.check_sync_every}")
-    if cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
-    if cfg.data.crop_padding < 0 or cfg.data.shuffle_buffer < 0:
-        raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
-    if len(cfg.data.mean) != len(cfg.data.std) or any(s <= 0 for s in cfg.data.std):
-        raise ConfigError("data.mean and data.std need one value per channel, std > 0")
-    check_data_keys(cfg)
-    check_model_options(cfg.model.name, dict(cfg.model.options))
-
-
-def check_data_keys(cfg: TrainConfig) -> None:
-    """The data keys that describe foreign shards: fields, shape, and the user's stages."""
-    data = cfg.data
-    for name in ("train_shards", "val_shards"):
-        value = getattr(data, name)
-        if not (
-            isinstance(value, str)
-            or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
-        ):
-            raise ConfigError(f"data.{name} must be a string or a non-empty list of strings, got {value!r}")
-    check_image_key(data.image_key)
-    check_label_key(data.label_key)
-    if data.channels not in (None, 1, 3):
-        raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {data.channels}")
-    for name in ("num_classes", "image_size"):
-        value = getattr(data, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
-    for path in data.stages:
-        load_user_stage(path)
-
-
-def split_options(cfg: TrainConfig) -> SplitOptions:
-    data = cfg.data
-    return SplitOptions(
-        image_key=data.image_key,
-        num_classes=data.num_classes,
-        image_size=data.image_size,
-        channels=data.channels,
-        allow_counting=data.index == IndexMode.auto,
-        output_dir=cfg.output_dir,
-    )
-
-
-def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
-    """Checks of the data against the config; world_size None = not known before spawn."""
-    if train.image_size != val.image_size or train.channels != val.channels:
-        raise ConfigError(
-            f"train images are {train.channels}x{train.image_size}, validation images "
-            f"{val.channels}x{val.image_size}; they must match"
-        )
-    if train.classes != val.classes:
-        raise ConfigError("train and validation manifests list different classes")
-    if len(cfg.data.mean) != train.channels:
-        raise ConfigError(f"data.mean has {len(cfg.data.mean)} values, images have {train.channels} channels")
-    if world_size is not None:
-        share = train.num_samples // world_size
-        if cfg.batch_size > share:
-            raise ConfigError(
-                f"batch_size={cfg.batch_size} is larger than a replica's share of the training "
-                f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
-            )
-        plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch, "train")
-
-
 def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     """Everything before spawning: resolve, validate, load manifests, find the checkpoint."""
     typed, plain = resolve_config(cfg)
     check_config(typed)
+    check_environment()
+    check_accelerator_present(typed)
+    check_run_folders(typed)
     options = split_options(typed)
     train = load_split(typed.data.train_shards, "train", options)
     val = load_split(typed.data.val_shards, "validation", options)
@@ -231,6 +78,8 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         )
     check_data(typed, train, val, known_world_size(typed))
     resume_url = resolve_resume(typed.resume, typed.output_dir)
+    if resume_url is not None:
+        check_resume_fits(typed, train, load_checkpoint(resume_url), resume_url)
     if typed.eval_only and resume_url is None:
         raise ConfigError(
             f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
@@ -242,16 +91,6 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             typed.xla_cache_dir,
         )
     return RunPlan(typed, plain, train, val, resume_url, started_at)
-
-
-def known_world_size(cfg: TrainConfig) -> int | None:
-    """The number of replicas if it is known before spawning (not on TPU: the pod decides)."""
-    acc = cfg.accelerator
-    if acc.collectives == Collectives.gloo:
-        return acc.num_devices
-    if acc.device == Device.CPU or acc.num_devices == 1:
-        return 1
-    return None
 
 
 def configure_device_environment(cfg: TrainConfig) -> None:
@@ -351,14 +190,16 @@ def check_same_counts(runtime, *manifests: ShardManifest) -> None:
 
 
 def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
-    """DataLoader worker_init_fn: logging, and no death by SIGTERM.
+    """DataLoader worker_init_fn: logging, and no death by SIGTERM or SIGINT.
 
-    A preempted TPU VM sends SIGTERM to every process. Workers that died on it
-    would fail their replica before it could save; instead the replica
-    finishes its step, saves last.pt, and shuts its workers down itself.
+    A preempted TPU VM sends SIGTERM to every process, Ctrl-C sends SIGINT to
+    the whole foreground group. Workers that died on either would fail their
+    replica before it could save; instead the replica finishes its step, saves
+    last.pt, and shuts its workers down itself. Workers start with these
+    signals blocked (CountingLoader), so one sent while they start waits here.
     """
     setup_worker_logging(rank, world_size, worker_id)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()
     exit_with_parent(parent=replica_pid)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "Scheme",
     "absolute",
     "bucket_exists",
+    "check_environment",
     "delete",
     "dirname",
     "exists",
@@ -81,6 +82,11 @@ def scheme_name(url: str) -> str:
         return "pipe"
     match = _URL_SCHEME.match(url)
     return match.group(1) if match else ""
+
+
+def check_environment() -> None:
+    """The storage settings read from the environment, checked once at start (StorageError if bad)."""
+    gcs.retry_seconds()
 
 
 def has_neighbours(url: str) -> bool:

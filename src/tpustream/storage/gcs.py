@@ -32,12 +32,26 @@ READ_AHEAD_PIECES = 4
 _clients = threading.local()
 
 
+def retry_seconds() -> float:
+    """TPUSTREAM_GCS_RETRY_SECONDS (default 120), or StorageError naming the variable."""
+    value = os.environ.get("TPUSTREAM_GCS_RETRY_SECONDS", "120")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise StorageError(
+            f"TPUSTREAM_GCS_RETRY_SECONDS={value!r}: expected a positive number of seconds (default 120)"
+        )
+    return seconds
+
+
 def gcs_retry():
     """The retry policy of every GCS call: the client's default (exponential backoff on
     429, 5xx and dropped connections), for at most TPUSTREAM_GCS_RETRY_SECONDS (120)."""
     from google.cloud.storage.retry import DEFAULT_RETRY
 
-    return DEFAULT_RETRY.with_timeout(float(os.environ.get("TPUSTREAM_GCS_RETRY_SECONDS", "120")))
+    return DEFAULT_RETRY.with_timeout(retry_seconds())
 
 
 def gcs_failures() -> tuple[type[Exception], ...]:

@@ -1,0 +1,341 @@
+"""Checks before spawning: the config alone, the machine, the run folder, the data against the config.
+
+Everything that can be checked without a device is checked in train.py's
+process, before ``xmp.spawn``, so bad input costs seconds and one clear line
+instead of N replicas failing (or N-1 replicas waiting forever in an
+all-reduce for the one that failed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tpustream import storage
+from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig
+from tpustream.data.decode import check_image_key, check_label_key
+from tpustream.data.manifest import ShardManifest
+from tpustream.data.sharding import plan_layout
+from tpustream.data.splits import SplitOptions
+from tpustream.data.stages import load_user_stage
+from tpustream.errors import ConfigError, StorageError
+from tpustream.models import check_model_options
+
+# The upstream bug that makes multi-device XLA:CPU unusable for training.
+CPU_COLLECTIVES_BUG = "https://github.com/pytorch/xla/issues/9089"
+# Free-form mappings inside the typed config: their keys are not the schema's.
+FREE_FORM_KEYS = ("model.options",)
+
+
+def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
+    """Resolve interpolations (Hydra's resolvers exist only in this process) and make paths absolute."""
+    try:
+        OmegaConf.resolve(cfg)
+        check_known_keys(cfg, TrainConfig)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_config_error(exc)) from None
+    for key in ("data.root", "data.train_shards", "data.val_shards", "output_dir", "log_dir"):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and value:
+            OmegaConf.update(cfg, key, storage.absolute(value))
+        elif OmegaConf.is_list(value):
+            OmegaConf.update(
+                cfg, key, [storage.absolute(v) if isinstance(v, str) else v for v in value], merge=False
+            )
+    cfg.xla_cache_dir = resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
+    try:
+        typed: TrainConfig = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_config_error(exc)) from None
+    plain = OmegaConf.to_container(cfg, enum_to_str=True)
+    return typed, plain
+
+
+# Where xla_cache_dir=auto keeps the persistent compile cache on TPU hosts.
+DEFAULT_XLA_CACHE = "~/.cache/tpustream/xla"
+
+
+def resolve_xla_cache_dir(value: str | None, device: Device | str) -> str | None:
+    """xla_cache_dir as a local absolute folder, or None (off).
+
+    auto is on for TPU only: torch_xla 2.9's CPU client writes cache entries
+    it then cannot load ("Deserializing serialized executable not supported",
+    measured in bench/EPOCH_TIME.md), so on CPU a cache costs writes and
+    warnings and saves nothing.
+    """
+    if value is None or value == "":
+        return None
+    if value == "auto":
+        return os.path.expanduser(DEFAULT_XLA_CACHE) if Device(device) == Device.TPU else None
+    if storage.is_gcs(value):
+        raise ConfigError(f"xla_cache_dir={value}: the compile cache must be a local folder")
+    return storage.absolute(os.path.expanduser(value))
+
+
+def describe_config_error(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's error as one line naming the key; a missing value usually means a schema was chosen."""
+    key = getattr(exc, "full_key", "") or ""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+    if exc.__class__.__name__ == "MissingMandatoryValue":
+        return (
+            f"{key or 'a config key'} has no value: set it, or pick a config group option that does "
+            "(data=digits, not data=data_schema)"
+        )
+    return f"{key}: {reason}" if key and key not in reason else reason
+
+
+def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
+    """Every key of cfg is a field of the schema dataclass (recursively); else ConfigError naming it.
+
+    Hydra accepts ``+optim.lrr=0.1`` (an explicit add) even on a typed
+    config; the schema decides what the trainer reads, so an unknown key
+    would be silently ignored.
+    """
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = ", ".join(sorted(f for f in fields if f[:2] == str(key)[:2])) or ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key {name} (known here: {close})")
+        if name in FREE_FORM_KEYS:
+            continue
+        value = cfg._get_node(key)
+        field_type = fields[key].type
+        nested = field_type if dataclasses.is_dataclass(field_type) else _dataclass_named(field_type)
+        if nested is not None and OmegaConf.is_dict(value):
+            check_known_keys(value, nested, f"{name}.")
+
+
+def _dataclass_named(type_name: Any) -> type | None:
+    """The config dataclass a (string) annotation names: the schema uses postponed annotations."""
+    import tpustream.config as config_module
+
+    candidate = getattr(config_module, str(type_name), None)
+    return candidate if dataclasses.is_dataclass(candidate) else None
+
+
+def check_environment() -> None:
+    """Environment settings we read, checked before anything uses them."""
+    try:
+        storage.check_environment()
+    except StorageError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_accelerator_present(cfg: TrainConfig) -> None:
+    """accelerator=tpu on a machine without TPU chips: say so now, not from N failed replicas."""
+    if cfg.accelerator.device != Device.TPU:
+        return
+    from tpustream.runtime import count_tpu_chips
+
+    if count_tpu_chips() == 0:
+        raise ConfigError(
+            "accelerator=tpu, but this machine has no TPU chips (none on its PCI bus); run on a TPU VM, "
+            "or use accelerator=cpu"
+        )
+
+
+def check_run_folders(cfg: TrainConfig) -> None:
+    """output_dir and log_dir exist or can be created, and take a write (local or gs://)."""
+    for name, folder in (("output_dir", cfg.output_dir), ("log_dir", cfg.log_dir)):
+        if not folder:
+            continue
+        if name == "log_dir" and storage.scheme_name(folder):
+            raise ConfigError(f"log_dir={folder}: must be a local folder (replicas append to files there)")
+        try:
+            storage.probe_writable(folder)
+        except StorageError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Checks that need no data and no device."""
+    acc = cfg.accelerator
+    if acc.collectives == Collectives.gloo:
+        if acc.device != Device.CPU:
+            raise ConfigError(
+                "accelerator.collectives=gloo is the simulated pod: it needs accelerator.device=CPU"
+            )
+        if acc.num_devices is None or acc.num_devices < 1:
+            raise ConfigError("the simulated pod (collectives=gloo) needs accelerator.num_devices >= 1")
+    elif acc.device == Device.CPU and acc.num_devices not in (None, 1):
+        raise ConfigError(
+            f"accelerator.num_devices={acc.num_devices} on CPU: XLA:CPU collectives deadlock "
+            f"with more than one device ({CPU_COLLECTIVES_BUG}); use 1, or accelerator=cpu_pod "
+            "to simulate several replicas over gloo"
+        )
+    if acc.device == Device.TPU and acc.num_devices not in (None, 1):
+        raise ConfigError(
+            f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
+            "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
+        )
+    optim = cfg.optim
+    if not math.isfinite(optim.lr) or optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be a positive number, got {optim.lr}")
+    if not 0 <= optim.label_smoothing < 1:
+        raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {optim.label_smoothing}")
+    if optim.weight_decay < 0 or optim.momentum < 0:
+        raise ConfigError("optim.weight_decay and optim.momentum must be >= 0")
+    if optim.warmup_epochs < 0 or not 0 <= optim.min_lr_ratio <= 1:
+        raise ConfigError("optim.warmup_epochs must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {cfg.seed}")
+    if not 0 <= cfg.data.max_bad_fraction <= 1:
+        raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {cfg.data.max_bad_fraction}")
+    if cfg.data.prefetch_factor < 1:
+        raise ConfigError(f"data.prefetch_factor must be at least 1, got {cfg.data.prefetch_factor}")
+    for name, value in (
+        ("batch_size", cfg.batch_size),
+        ("epochs", cfg.epochs),
+        ("log_steps", cfg.log_steps),
+        ("micro_batches", cfg.micro_batches),
+    ):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if cfg.batch_size % cfg.micro_batches:
+        raise ConfigError(
+            f"micro_batches={cfg.micro_batches} must divide batch_size={cfg.batch_size} "
+            "(every micro-batch has the same shape, so the step compiles once)"
+        )
+    if cfg.eval_every < 0:
+        raise ConfigError(f"eval_every must be >= 0 (0 = never), got {cfg.eval_every}")
+    if cfg.eval_every == 0 and cfg.early_stop_patience:
+        raise ConfigError("early_stop_patience needs validation; eval_every=0 turns it off")
+    if cfg.optim.reference_batch_size is not None and cfg.optim.reference_batch_size < 1:
+        raise ConfigError(
+            f"optim.reference_batch_size must be at least 1, got {cfg.optim.reference_batch_size}"
+        )
+    if not 0 <= cfg.debug.profiler_port < 65536:
+        raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {cfg.debug.profiler_port}")
+    if cfg.strategy == Strategy.fsdp:
+        if acc.collectives == Collectives.gloo:
+            raise ConfigError(
+                "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
+                "pod (accelerator=cpu_pod) runs strategy=ddp only"
+            )
+        if cfg.debug.check_sync_every:
+            raise ConfigError(
+                "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
+                "replica holds a different shard"
+            )
+    if cfg.debug.check_sync_every < 0:
+        raise ConfigError(f"debug.check_sync_every must be >= 0, got {cfg.debug.check_sync_every}")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    if cfg.data.crop_padding < 0 or cfg.data.shuffle_buffer < 0:
+        raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
+    if len(cfg.data.mean) != len(cfg.data.std) or any(s <= 0 for s in cfg.data.std):
+        raise ConfigError("data.mean and data.std need one value per channel, std > 0")
+    check_data_keys(cfg)
+    check_model_options(cfg.model.name, dict(cfg.model.options))
+
+
+def check_data_keys(cfg: TrainConfig) -> None:
+    """The data keys that describe foreign shards: fields, shape, and the user's stages."""
+    data = cfg.data
+    for name in ("train_shards", "val_shards"):
+        value = getattr(data, name)
+        if not (
+            isinstance(value, str)
+            or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+        ):
+            raise ConfigError(f"data.{name} must be a string or a non-empty list of strings, got {value!r}")
+    check_image_key(data.image_key)
+    check_label_key(data.label_key)
+    if data.channels not in (None, 1, 3):
+        raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {data.channels}")
+    for name in ("num_classes", "image_size"):
+        value = getattr(data, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
+    for path in data.stages:
+        load_user_stage(path)
+
+
+def split_options(cfg: TrainConfig) -> SplitOptions:
+    data = cfg.data
+    return SplitOptions(
+        image_key=data.image_key,
+        num_classes=data.num_classes,
+        image_size=data.image_size,
+        channels=data.channels,
+        allow_counting=data.index == IndexMode.auto,
+        output_dir=cfg.output_dir,
+    )
+
+
+def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
+    """Checks of the data against the config; world_size None = not known before spawn."""
+    if train.image_size != val.image_size or train.channels != val.channels:
+        raise ConfigError(
+            f"train images are {train.channels}x{train.image_size}, validation images "
+            f"{val.channels}x{val.image_size}; they must match"
+        )
+    if train.classes != val.classes:
+        raise ConfigError("train and validation manifests list different classes")
+    if len(cfg.data.mean) != train.channels:
+        raise ConfigError(f"data.mean has {len(cfg.data.mean)} values, images have {train.channels} channels")
+    if world_size is not None:
+        share = train.num_samples // world_size
+        if cfg.batch_size > share:
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} is larger than a replica's share of the training "
+                f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
+            )
+        plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch, "train")
+
+
+def known_world_size(cfg: TrainConfig) -> int | None:
+    """The number of replicas if it is known before spawning (not on TPU: the pod decides)."""
+    acc = cfg.accelerator
+    if acc.collectives == Collectives.gloo:
+        return acc.num_devices
+    if acc.device == Device.CPU or acc.num_devices == 1:
+        return 1
+    return None
+
+
+def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, Any], source: str) -> None:
+    """The checkpoint's weights have the shapes of the configured model, or ConfigError naming them.
+
+    The model is built on the meta device (shapes, no memory, no init
+    arithmetic), so even wrn_seed's 103M parameters cost nothing here, and a
+    changed model, class count or channel count is one line before spawning
+    instead of a load_state_dict traceback in every replica.
+    """
+    import torch
+
+    from tpustream.models import create_model
+
+    height, width = train.image_size
+    with torch.device("meta"):
+        model = create_model(
+            cfg.model.name,
+            num_classes=train.num_classes,
+            image_size=max(height, width),
+            channels=train.channels,
+            **cfg.model.options,
+        )
+    wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    saved = {name: tuple(t.shape) for name, t in state.get("model", {}).items()}
+    missing = sorted(set(wanted) - set(saved))
+    unexpected = sorted(set(saved) - set(wanted))
+    differ = sorted(n for n in set(wanted) & set(saved) if wanted[n] != saved[n])
+    if not (missing or unexpected or differ):
+        return
+    if differ:
+        first = differ[0]
+        shapes = f"{saved[first]} saved, {wanted[first]} now"
+        detail = f"{len(differ)} tensor(s) differ in shape, first {first}: {shapes}"
+    else:
+        first = (missing or unexpected)[0]
+        detail = f"{len(missing)} missing and {len(unexpected)} unexpected tensor(s), first {first}"
+    raise ConfigError(
+        f"resume from {source}: the checkpoint holds another model than model={cfg.model.name} with "
+        f"{train.num_classes} classes ({detail}); use another output_dir, or resume=null to start fresh"
+    )
