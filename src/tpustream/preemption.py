@@ -87,6 +87,30 @@ def _keep_forwarding() -> None:
             return
 
 
+@contextlib.contextmanager
+def stop_signals_ignored():
+    """Ignore stop signals in this process while it starts helper processes (main thread only).
+
+    An ignored signal stays ignored across exec, so the children start immune
+    and never die of a stop signal before they can install their own
+    handling; a process group signal in that window would otherwise kill a
+    DataLoader worker and fail its replica before it saves. (A blocked signal
+    mask would not do: multiprocessing's spawned children start with none.)
+    This process misses a stop signal only for those milliseconds, and
+    train.py sends it again every second (forward_stop_to_children). Off the
+    main thread (replicas as threads on v2/v3) it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def ignore_stop_signals() -> None:
     """In a helper process (DataLoader worker): ignore stop signals; its replica decides when to stop."""
     for signum in STOP_SIGNALS:

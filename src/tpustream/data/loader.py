@@ -43,6 +43,7 @@ from tpustream.data.stages import (
     skip_samples,
 )
 from tpustream.errors import DataError, TpustreamError
+from tpustream.preemption import stop_signals_ignored
 
 
 class StreamedSamples:
@@ -269,6 +270,24 @@ class CountingLoader:
                 yield batch
         except TpustreamError as exc:
             raise _unwrap_worker_error(exc) from exc
+
+    def start_workers(self) -> None:
+        """Start the persistent DataLoader workers now, immune to stop signals from their first moment.
+
+        Called on the replica's main thread at set-up (not on first iteration,
+        which happens on MpDeviceLoader's thread, where signal dispositions
+        cannot be changed). The workers then begin the current pass; the first
+        real iteration resets them to the epoch set by then (DataLoader's
+        persistent-worker reset), so batches are the same.
+        """
+        if (
+            self.loader.num_workers == 0
+            or not self.loader.persistent_workers
+            or self.loader._iterator is not None
+        ):
+            return
+        with stop_signals_ignored():
+            self.loader._iterator = self.loader._get_iterator()
 
     def close(self) -> None:
         """Stop the DataLoader's persistent workers now.

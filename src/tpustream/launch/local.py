@@ -275,6 +275,12 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     val_loader = make_loader(
         val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init
     )
+    # Both loaders' workers start here, on this main thread, immune to stop
+    # signals: started later by the training loop's thread (validation's after
+    # the first epoch), a SIGTERM or Ctrl-C to the process group while they
+    # import torch would kill them and fail the replica before it saves.
+    train_loader.start_workers()
+    val_loader.start_workers()
     # Keep the server object alive for the whole run: torch_xla stops it when collected.
     profiler = start_profiler(cfg.debug.profiler_port, runtime.local_rank)
     try:
