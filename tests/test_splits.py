@@ -160,3 +160,17 @@ def test_sizes_json_beside_the_shards_spares_the_counting(wds_split, monkeypatch
     split = load_split(wds_split, "train", DIGITS)
     assert split.num_samples == 25 and "sizes.json" in split.counts_from
     assert not Path(wds_split, INDEX_NAME).exists()
+
+
+def test_a_wids_index_names_the_shards_and_the_log_says_where_counts_came_from(wds_split, monkeypatch):
+    shardlist = [{"url": f"cifar-train-00000{i}.tar", "nsamples": n} for i, n in enumerate([7, 7, 7, 4])]
+    index = Path(wds_split, "train.json")
+    index.write_text(
+        json.dumps({"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shardlist})
+    )
+    monkeypatch.setattr(shard_index, "count_shards", lambda *a, **k: pytest.fail("counted"))
+    split = load_split(str(index), "train", DIGITS)
+    assert split.num_samples == 25 and split.counts_from == f"wids index {index}"
+    monkeypatch.undo()
+    pattern_split = load_split(f"{wds_split}/cifar-train-{{000000..000001}}.tar", "train", DIGITS)
+    assert pattern_split.num_samples == 14  # a pattern beside it: counted, no manifest there

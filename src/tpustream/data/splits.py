@@ -53,6 +53,7 @@ class _Expanded:
     counts: dict[str, int]  # known so far
     manifests: list[ShardManifest]
     whole_folders: list[str] = field(default_factory=list)  # named whole, without a manifest
+    sources: list[str] = field(default_factory=list)  # where the counts above came from, for the log
 
 
 def load_split(spec: str | Sequence[str], split: str, options: SplitOptions | None = None) -> ShardManifest:
@@ -65,7 +66,7 @@ def load_split(spec: str | Sequence[str], split: str, options: SplitOptions | No
     if duplicate:
         raise ConfigError(f"{_describe(spec)}: shard {duplicate} is named twice")
     counts = dict(expanded.counts)
-    sources = ["manifest.json"] if expanded.manifests else []
+    sources = list(dict.fromkeys(expanded.sources))
     missing = [u for u in expanded.urls if u not in counts]
     if missing:
         for source in recorded.find_recorded_counts([u for u in missing if storage.has_neighbours(u)]):
@@ -101,6 +102,7 @@ def expand_spec(spec: str | Sequence[str]) -> _Expanded:
             out.counts.update(part.counts)
             out.manifests += part.manifests
             out.whole_folders += part.whole_folders
+            out.sources += part.sources
         return out
     spec = storage.absolute(spec.strip())
     if not spec:
@@ -127,7 +129,7 @@ def _expand_pattern(pattern: str) -> _Expanded:
         raise ConfigError(
             f"{pattern}: {len(outside)} shard(s) not listed in {manifest_url}, first: {outside[0]}"
         )
-    return _Expanded(urls, {u: listed[u] for u in urls}, [manifest])
+    return _Expanded(urls, {u: listed[u] for u in urls}, [manifest], sources=[manifest_url])
 
 
 def _expand_folder(folder: str) -> _Expanded:
@@ -172,13 +174,15 @@ def _expand_index_file(url: str) -> _Expanded:
             log.warning(
                 "%s: %d shard(s) changed since they were indexed; counting them again", url, len(stale)
             )
-        return _Expanded(list(entries), {u: e.samples for u, e in entries.items() if u not in stale}, [])
+        counts = {u: e.samples for u, e in entries.items() if u not in stale}
+        return _Expanded(list(entries), counts, [], sources=[f"index {url}"])
     listed = recorded.read_shard_list(url)
     if listed is None:
         raise ConfigError(f"{url}: neither a tpustream manifest, a tpustream index nor a wids shard index")
     shards, description = listed
-    log.info("shards and counts from %s", description)
-    return _Expanded([u for u, _ in shards], {u: n for u, n in shards if n is not None}, [])
+    return _Expanded(
+        [u for u, _ in shards], {u: n for u, n in shards if n is not None}, [], sources=[description]
+    )
 
 
 def _check_total_hints(folders: list[str], shards: list[ShardInfo]) -> None:
