@@ -223,8 +223,16 @@ def host_index() -> int:
         raise ConfigError(f"TPUSTREAM_HOST_INDEX={value!r}: expected a host number") from None
 
 
-# How long a pod host other than the first waits for host 0's index.
-INDEX_WAIT_SECONDS = float(os.environ.get("TPUSTREAM_INDEX_WAIT_SECONDS", "3600"))
+def index_wait_seconds() -> float:
+    """How long a pod host other than the first waits for host 0's index (TPUSTREAM_INDEX_WAIT_SECONDS)."""
+    value = os.environ.get("TPUSTREAM_INDEX_WAIT_SECONDS", "3600")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"TPUSTREAM_INDEX_WAIT_SECONDS={value!r}: expected a positive number of seconds")
+    return seconds
 
 
 def counts_for(
@@ -294,14 +302,15 @@ def _wait_for_host_zero(
     folder: str, urls: list[str], output_dir: str | None, sleep: Callable[[float], None]
 ) -> tuple[dict[str, int], str]:
     """A pod host other than the first: wait until host 0's index covers every shard, unchanged."""
+    wait = index_wait_seconds()
     log.info("%s: waiting for pod host 0 to index the shards", folder)
-    deadline = time.monotonic() + INDEX_WAIT_SECONDS
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         sleep(5.0)
         index_url, entries = read_index(folder, output_dir)
         if all(u in entries for u in urls) and not stale_entries(entries, urls):
             return {u: entries[u].samples for u in urls}, f"index {index_url} (written by host 0)"
     raise ConfigError(
-        f"{folder}: pod host 0 wrote no index covering these shards within {INDEX_WAIT_SECONDS:.0f} s; "
+        f"{folder}: pod host 0 wrote no index covering these shards within {wait:.0f} s; "
         f"run `tpustream-index {folder}` once before the job"
     )
