@@ -22,6 +22,7 @@ import torchvision  # noqa: F401 (registers torch.ops.image)
 from PIL import Image
 from torchvision.io import ImageReadMode
 
+from tpustream.data.image_modes import convert_pil_image, scale_16_to_8
 from tpustream.errors import ConfigError
 
 # The fields tried, in this order, when no image key is configured.
@@ -31,9 +32,6 @@ _FAST_IMAGE_EXTENSIONS = frozenset(("png", "jpg", "jpeg", "webp"))
 _RAW_EXTENSION = "raw"
 _JSON_LABEL_PREFIX = "json:"
 _JSON_FIELD = "json"
-# PIL modes of 16-bit grey: PNG and TIFF give I;16 (I;16B big-endian TIFF),
-# 16-bit PGM gives I (32-bit) holding 0..65535.
-_SIXTEEN_BIT_MODES = frozenset(("I;16", "I;16L", "I;16B", "I;16N", "I"))
 
 
 class SampleError(ValueError):
@@ -146,45 +144,6 @@ def _decode_fast_unchanged(data: bytes) -> torch.Tensor:
     )
 
 
-def _scale_16_to_8(values: np.ndarray) -> np.ndarray:
-    """0..65535 to 0..255, rounded (v / 257): mid grey 32768 becomes 128, not clipped to white."""
-    wide = np.clip(values.astype(np.int64, copy=False), 0, 65535)
-    return ((wide + 128) // 257).astype(np.uint8)
-
-
-def _convert_pil_image(image: Image.Image, channels: int) -> np.ndarray:
-    """A PIL image as uint8 (H, W) for channels=1 or (H, W, 3) for channels=3.
-
-    Mode by mode:
-    - L, RGB: as they are; to the other with PIL (L -> RGB repeats the grey,
-      RGB -> L is ITU-R 601 luma).
-    - P (palette): through its palette; with transparency it goes through
-      RGBA first (PIL warns on a direct convert), and the alpha is dropped.
-    - RGBA, LA, PA: the alpha is dropped, as PIL's convert does (no blending
-      onto a background).
-    - CMYK, YCbCr, HSV, LAB: PIL's conversion to RGB (then luma for 1 channel).
-    - 1 (bilevel): 0 and 255.
-    - I;16, I;16B, I;16L, I;16N (16-bit grey) and I (32-bit, as 16-bit PGM
-      and TIFF give it): scaled from 0..65535 to 0..255 with rounding, values
-      outside clipped; PIL's convert would clip everything above 255 to white.
-    - F (32-bit float): PIL's convention, intensities on 0..255 (convert
-      clips and truncates; NaN becomes 0).
-    """
-    mode = image.mode
-    if mode in _SIXTEEN_BIT_MODES:
-        grey = _scale_16_to_8(np.asarray(image))
-        return grey if channels == 1 else np.repeat(grey[:, :, None], 3, axis=2)
-    target = "L" if channels == 1 else "RGB"
-    if mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
-    if image.mode != target:
-        try:
-            image = image.convert(target)
-        except ValueError:
-            image = image.convert("RGB").convert(target)  # e.g. LAB: PIL converts it to RGB only
-    return np.asarray(image)
-
-
 def _pnm_to_channels(stored: np.ndarray, channels: int) -> np.ndarray:
     """(H, W, 3) or (H, W) uint8 to (channels, H, W), converting as PIL's convert("L"/"RGB") does."""
     if stored.ndim == 2:
@@ -273,7 +232,7 @@ class ImageDecoder:
                 return self._decode_with_pil(field, data, fast_error=exc)
             pixels = tensor.numpy()
             if tensor.dtype is torch.uint16:  # 16-bit PNG (torch dtypes are singletons)
-                pixels = _scale_16_to_8(pixels)
+                pixels = scale_16_to_8(pixels)
             if pixels.shape != self._shape:
                 raise SampleError(f"image shape {pixels.shape} differs from expected {self._shape}")
             return pixels
@@ -304,7 +263,7 @@ class ImageDecoder:
             if image.size != (self.width, self.height):
                 shape = (self.channels, image.size[1], image.size[0])
                 raise SampleError(f"image shape {shape} differs from expected {self.shape}")
-            pixels = _convert_pil_image(image, self.channels)
+            pixels = convert_pil_image(image, self.channels)
         except SampleError:
             raise
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, ... for bad data

@@ -19,6 +19,7 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
+from tpustream.data.image_modes import convert_pil_image
 from tpustream.errors import ConfigError, DataError
 
 ImageRef = Union[np.ndarray, str]  # noqa: UP007 (pickled to workers; keep it obvious)
@@ -218,28 +219,6 @@ class UnreadableImageError(DataError):
         return type(self), (self.path, self.reason)
 
 
-# PIL modes of 16-bit grey: PNG and TIFF give I;16 (I;16B big-endian TIFF),
-# 16-bit PGM gives I (32-bit) holding 0..65535.
-_SIXTEEN_BIT_MODES = frozenset(("I;16", "I;16L", "I;16B", "I;16N", "I"))
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL image as a new RGB image; 16-bit grey is scaled to 8 bits, not clipped.
-
-    PIL's convert("RGB") clips 16-bit values above 255, so mid grey (32768)
-    would become white. (v + 128) // 257 rounds 0..65535 onto 0..255 (mid grey
-    becomes 128), the same scaling tpustream.data.decode applies at training
-    time, so a shard stores what training would decode from the original file.
-    """
-    if image.mode in _SIXTEEN_BIT_MODES:
-        wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
-        return Image.fromarray(((wide + 128) // 257).astype(np.uint8)).convert("RGB")
-    if image.mode == "P" and "transparency" in image.info:
-        # A direct convert warns and asks for RGBA first; the alpha is dropped either way.
-        image = image.convert("RGBA")
-    return image.convert("RGB")
-
-
 def load_image_file(path: str, size: int) -> np.ndarray:
     """Decode, resize the shorter side to size and center-crop to size x size; uint8 CHW RGB.
 
@@ -247,7 +226,9 @@ def load_image_file(path: str, size: int) -> np.ndarray:
     """
     try:
         with Image.open(path) as opened:
-            im = _to_rgb(opened)
+            # 16-bit grey scaled to 8 bits as training decodes it (PIL's
+            # convert("RGB") would clip mid grey to white), CMYK and palettes converted.
+            im = Image.fromarray(convert_pil_image(opened, 3))
     # OSError: PIL.UnidentifiedImageError, truncated or vanished files;
     # SyntaxError and ValueError: malformed headers and chunks, unconvertible
     # modes; DecompressionBombError: PIL refuses images of absurd pixel counts.
