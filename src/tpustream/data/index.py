@@ -214,6 +214,34 @@ def write_index(folder: str, entries: dict[str, IndexEntry], output_dir: str | N
     return None
 
 
+def group_by_folder(urls: Sequence[str]) -> dict[str, list[str]]:
+    """URLs by the folder they are in (an index describes one folder), in order."""
+    by_folder: dict[str, list[str]] = {}
+    for url in urls:
+        by_folder.setdefault(storage.dirname(url), []).append(url)
+    return by_folder
+
+
+def shards_to_count(entries: dict[str, IndexEntry], urls: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(missing, stale): the shards of urls the index lacks, and those changed since they were counted."""
+    known = [u for u in urls if u in entries]
+    return [u for u in urls if u not in entries], (stale_entries(entries, known) if known else [])
+
+
+def count_into_index(
+    folder: str,
+    entries: dict[str, IndexEntry],
+    todo: Sequence[str],
+    output_dir: str | None,
+    progress: bool = True,
+    threads: int = COUNT_THREADS,
+) -> tuple[str | None, IndexRate]:
+    """Count `todo`, update `entries` with them and save the folder's index: (its URL or None, the rate)."""
+    counted, rate = count_shards(todo, progress=progress, threads=threads)
+    entries.update(counted)
+    return write_index(folder, entries, output_dir), rate
+
+
 def host_index() -> int:
     """This host's index in a multi-host pod (0 when alone), as the pod launcher sets it."""
     value = os.environ.get("TPUSTREAM_HOST_INDEX", "0")
@@ -250,12 +278,9 @@ def counts_for(
     every host plans the epoch from the same counts (replicas check that they
     agree before the first step).
     """
-    by_folder: dict[str, list[str]] = {}
-    for url in urls:
-        by_folder.setdefault(storage.dirname(url), []).append(url)
     counts: dict[str, int] = {}
     notes = []
-    for folder, members in by_folder.items():
+    for folder, members in group_by_folder(urls).items():
         found, note = _folder_counts(folder, members, output_dir, allow_counting, progress, sleep)
         counts.update(found)
         notes.append(note)
@@ -271,9 +296,7 @@ def _folder_counts(
     sleep: Callable[[float], None],
 ) -> tuple[dict[str, int], str]:
     index_url, entries = read_index(folder, output_dir)
-    known = [u for u in urls if u in entries]
-    stale = stale_entries(entries, known) if known else []
-    missing = [u for u in urls if u not in entries]
+    missing, stale = shards_to_count(entries, urls)
     if not stale and not missing:
         return {u: entries[u].samples for u in urls}, f"index {index_url}"
     if stale:
@@ -291,9 +314,7 @@ def _folder_counts(
         )
     if host_index() > 0:
         return _wait_for_host_zero(folder, urls, output_dir, sleep)
-    counted, rate = count_shards(todo, progress=progress)
-    entries = {**{u: e for u, e in entries.items() if u not in stale}, **counted}
-    saved = write_index(folder, entries, output_dir)
+    saved, rate = count_into_index(folder, entries, todo, output_dir, progress=progress)
     log.info("counted %s; index %s", rate.describe(), saved or "not saved")
     return {u: entries[u].samples for u in urls}, f"counted now ({saved or 'index not saved'})"
 
@@ -308,7 +329,7 @@ def _wait_for_host_zero(
     while time.monotonic() < deadline:
         sleep(5.0)
         index_url, entries = read_index(folder, output_dir)
-        if all(u in entries for u in urls) and not stale_entries(entries, urls):
+        if shards_to_count(entries, urls) == ([], []):
             return {u: entries[u].samples for u in urls}, f"index {index_url} (written by host 0)"
     raise ConfigError(
         f"{folder}: pod host 0 wrote no index covering these shards within {wait:.0f} s; "

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from tpustream import storage
-from tpustream.data.index import COUNT_THREADS, count_shards, read_index, stale_entries, write_index
+from tpustream.data.index import COUNT_THREADS, count_into_index, group_by_folder, read_index, shards_to_count
 from tpustream.data.splits import expand_spec
 from tpustream.errors import TpustreamError
 
@@ -50,21 +50,18 @@ def index_shards(args: argparse.Namespace) -> int:
     """Count what is missing, changed (or everything with --force); returns the samples indexed."""
     urls = expand_spec(list(args.shards)).urls
     output_dir = storage.absolute(args.output_dir) if args.output_dir else None
-    by_folder: dict[str, list[str]] = {}
-    for url in urls:
-        by_folder.setdefault(storage.dirname(url), []).append(url)
     total = 0
-    for folder, members in by_folder.items():
+    for folder, members in group_by_folder(urls).items():
         _, entries = read_index(folder, output_dir)
         if args.force:
             todo = members
         else:
-            known = [u for u in members if u in entries]
-            todo = [u for u in members if u not in entries] + stale_entries(entries, known)
+            missing, stale = shards_to_count(entries, members)
+            todo = missing + stale
         if todo:
-            counted, rate = count_shards(todo, progress=not args.no_progress, threads=args.threads)
-            entries.update(counted)
-            saved = write_index(folder, entries, output_dir)
+            saved, rate = count_into_index(
+                folder, entries, todo, output_dir, progress=not args.no_progress, threads=args.threads
+            )
             print(f"{folder}: counted {rate.describe()}; index {saved or 'NOT saved'}", flush=True)
         samples = sum(entries[u].samples for u in members)
         total += samples
