@@ -159,8 +159,16 @@ def save_checkpoint(
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """The checkpoint URL to continue from, or None to start fresh.
+    """The checkpoint URL to continue from, or None to start fresh (see find_resume)."""
+    found = find_resume(resume, output_dir)
+    return found[0] if found else None
 
+
+def find_resume(resume: str | None, output_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint to continue from, as (URL, verified state), or None to start fresh.
+
+    The state is returned because reading it is how it is verified: callers
+    that need its contents (the pre-spawn shape check) do not read it again.
     "auto" continues from output_dir's last.pt; if that is damaged it says
     so and uses best.pt. If checkpoints are there but none is usable, that is
     an error, not a fresh start: the new run would overwrite them and the
@@ -173,22 +181,21 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
         url = storage.absolute(resume)
         if not storage.exists(url):
             raise ConfigError(f"resume={resume}: no checkpoint at {url}")
-        load_checkpoint(url)
-        return url
+        return url, load_checkpoint(url)
     damaged = []
     for name in (LAST, BEST):
         url = checkpoint_url(output_dir, name)
         if not storage.exists(url):
             continue
         try:
-            load_checkpoint(url)
+            state = load_checkpoint(url)
         except CheckpointError as exc:
             log.error("resume=auto: %s; trying the next checkpoint", exc)
             damaged.append(str(exc))
             continue
         if damaged:
             log.warning("resume=auto: continuing from %s instead", url)
-        return url
+        return url, state
     if damaged:
         raise ConfigError(
             f"resume=auto: no usable checkpoint in {output_dir}/checkpoints ({'; '.join(damaged)}); "

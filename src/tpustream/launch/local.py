@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint, read_metrics, resolve_resume
+from tpustream.checkpoint import BEST, LAST, checkpoint_url, find_resume, load_checkpoint, read_metrics
 from tpustream.config import Collectives, Device, TrainConfig
 from tpustream.data.manifest import ShardManifest
 from tpustream.data.sharding import describe_sharing
@@ -77,9 +77,12 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             manifest.counts_from,
         )
     check_data(typed, train, val, known_world_size(typed))
-    resume_url = resolve_resume(typed.resume, typed.output_dir)
-    if resume_url is not None:
-        check_resume_fits(typed, train, load_checkpoint(resume_url), resume_url)
+    resume_url = None
+    resume = find_resume(typed.resume, typed.output_dir)
+    if resume is not None:
+        resume_url, state = resume
+        check_resume_fits(typed, train, state, resume_url)
+        del state, resume  # the checkpoint's tensors: each replica reads its own copy
     if typed.eval_only and resume_url is None:
         raise ConfigError(
             f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
