@@ -25,6 +25,7 @@ from tqdm import tqdm
 from tpustream import storage
 from tpustream.data.tar_stream import count_shard_samples, open_tar_stream
 from tpustream.errors import ConfigError, StorageError, TpustreamError
+from tpustream.settings import positive_seconds
 
 log = logging.getLogger(__name__)
 
@@ -253,14 +254,7 @@ def host_index() -> int:
 
 def index_wait_seconds() -> float:
     """How long a pod host other than the first waits for host 0's index (TPUSTREAM_INDEX_WAIT_SECONDS)."""
-    value = os.environ.get("TPUSTREAM_INDEX_WAIT_SECONDS", "3600")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ConfigError(f"TPUSTREAM_INDEX_WAIT_SECONDS={value!r}: expected a positive number of seconds")
-    return seconds
+    return positive_seconds("TPUSTREAM_INDEX_WAIT_SECONDS", 3600.0)
 
 
 def counts_for(

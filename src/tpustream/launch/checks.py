@@ -121,10 +121,7 @@ def _dataclass_named(type_name: Any) -> type | None:
 
 def check_environment() -> None:
     """Environment settings we read, checked before anything uses them."""
-    try:
-        storage.check_environment()
-    except StorageError as exc:
-        raise ConfigError(str(exc)) from None
+    storage.check_environment()
 
 
 def check_accelerator_present(cfg: TrainConfig) -> None:

@@ -85,7 +85,7 @@ def scheme_name(url: str) -> str:
 
 
 def check_environment() -> None:
-    """The storage settings read from the environment, checked once at start (StorageError if bad)."""
+    """The storage settings read from the environment, checked once at start (ConfigError if bad)."""
     gcs.retry_seconds()
 
 

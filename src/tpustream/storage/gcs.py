@@ -17,6 +17,7 @@ from urllib.parse import quote
 import google_crc32c
 
 from tpustream.errors import StorageError
+from tpustream.settings import positive_seconds
 from tpustream.storage.scheme import ObjectStat
 
 GCS_SCHEME = "gs://"
@@ -33,17 +34,8 @@ _clients = threading.local()
 
 
 def retry_seconds() -> float:
-    """TPUSTREAM_GCS_RETRY_SECONDS (default 120), or StorageError naming the variable."""
-    value = os.environ.get("TPUSTREAM_GCS_RETRY_SECONDS", "120")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise StorageError(
-            f"TPUSTREAM_GCS_RETRY_SECONDS={value!r}: expected a positive number of seconds (default 120)"
-        )
-    return seconds
+    """TPUSTREAM_GCS_RETRY_SECONDS (default 120); ConfigError naming the variable if it is not seconds."""
+    return positive_seconds("TPUSTREAM_GCS_RETRY_SECONDS", 120.0)
 
 
 def gcs_retry():
@@ -138,14 +130,10 @@ def bucket_exists(bucket: str) -> bool:
 def open_read(url: str) -> BinaryIO:
     """Open a gs:// object for streaming binary reads, read ahead by a thread."""
     bucket, name = split_gcs_url(url)
-    blob = gcs_client().bucket(bucket).blob(name)
-    try:
-        # Fetching metadata first turns a missing object into a clear error
-        # here (after the client's retries) instead of on the first read, and
-        # pins the generation so a concurrent rewrite cannot mix two versions.
-        blob.reload(retry=gcs_retry())
-    except gcs_failures() as exc:
-        raise _gcs_error(url, exc) from exc
+    # Fetching metadata first turns a missing object into a clear error here
+    # (after the client's retries) instead of on the first read, and pins the
+    # generation so a concurrent rewrite cannot mix two versions.
+    blob = _reloaded_blob(url)
     # The JSON API's media download of exactly this generation, on the
     # client's own endpoint (blob.media_link would bypass a configured
     # endpoint: the emulator names itself there).
@@ -374,6 +362,12 @@ def list_names(prefix: str) -> list[str]:
 
 def stat(url: str) -> ObjectStat:
     """Size and generation: GCS gives every write of an object a new generation."""
+    blob = _reloaded_blob(url)
+    return ObjectStat(size=blob.size, version=str(blob.generation))
+
+
+def _reloaded_blob(url: str):
+    """The object's blob with its metadata fetched (size, generation); StorageError naming url if it fails."""
     bucket, name = split_gcs_url(url)
     blob = gcs_client().bucket(bucket).blob(name)
     try:
@@ -382,7 +376,7 @@ def stat(url: str) -> ObjectStat:
         blob.reload(retry=gcs_retry())
     except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
-    return ObjectStat(size=blob.size, version=str(blob.generation))
+    return blob
 
 
 def write_bytes(url: str, data: bytes) -> None:
