@@ -120,7 +120,7 @@ def _expand_pattern(pattern: str) -> _Expanded:
     if not storage.has_neighbours(urls[0]):
         return _Expanded(urls, {}, [])
     manifest_url = storage.join(storage.dirname(urls[0]), MANIFEST_NAME)
-    manifest = _read_manifest(manifest_url, required=False)
+    manifest = _read_manifest(manifest_url)
     if manifest is None:
         return _Expanded(urls, {}, [])
     listed = {s.url: s.samples for s in manifest.shards}
@@ -134,7 +134,7 @@ def _expand_pattern(pattern: str) -> _Expanded:
 
 def _expand_folder(folder: str) -> _Expanded:
     manifest_url = storage.join(folder, MANIFEST_NAME)
-    manifest = _read_manifest(manifest_url, required=False)
+    manifest = _read_manifest(manifest_url)
     if manifest is not None:
         return _Expanded(
             [s.url for s in manifest.shards], {s.url: s.samples for s in manifest.shards}, [manifest]
@@ -200,12 +200,11 @@ def _check_total_hints(folders: list[str], shards: list[ShardInfo]) -> None:
             )
 
 
-def _read_manifest(url: str, required: bool) -> ShardManifest | None:
+def _read_manifest(url: str) -> ShardManifest | None:
+    """Our manifest at url, or None if there is none there."""
     try:
         text = storage.read_bytes(url)
-    except StorageError as exc:
-        if required:
-            raise ConfigError(f"no shard manifest at {url} ({exc})") from exc
+    except StorageError:
         return None
     return ShardManifest.from_json(text.decode("utf-8"), storage.dirname(url), url)
 
