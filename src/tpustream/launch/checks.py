@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import typing
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -96,7 +97,8 @@ def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
     config; the schema decides what the trainer reads, so an unknown key
     would be silently ignored.
     """
-    fields = {f.name: f for f in dataclasses.fields(schema)}
+    # get_type_hints resolves the schema's postponed (string) annotations to classes.
+    fields = typing.get_type_hints(schema)
     for key in cfg:
         name = f"{prefix}{key}"
         if key not in fields:
@@ -105,18 +107,8 @@ def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
         if name in FREE_FORM_KEYS:
             continue
         value = cfg._get_node(key)
-        field_type = fields[key].type
-        nested = field_type if dataclasses.is_dataclass(field_type) else _dataclass_named(field_type)
-        if nested is not None and OmegaConf.is_dict(value):
-            check_known_keys(value, nested, f"{name}.")
-
-
-def _dataclass_named(type_name: Any) -> type | None:
-    """The config dataclass a (string) annotation names: the schema uses postponed annotations."""
-    import tpustream.config as config_module
-
-    candidate = getattr(config_module, str(type_name), None)
-    return candidate if dataclasses.is_dataclass(candidate) else None
+        if dataclasses.is_dataclass(fields[key]) and OmegaConf.is_dict(value):
+            check_known_keys(value, fields[key], f"{name}.")
 
 
 def check_environment() -> None:
