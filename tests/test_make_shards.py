@@ -21,7 +21,7 @@ from PIL import Image
 
 from tpustream import storage
 from tpustream.data.make_shards import main as make_shards_main
-from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME, load_manifest
+from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ShardManifest, load_manifest
 from tpustream.data.tar_stream import iter_shard_samples
 
 REPO = Path(__file__).resolve().parent.parent
@@ -579,11 +579,13 @@ def _every_image_unreadable(src: Path) -> None:
     ("build", "extra", "message"),
     [
         (_val_class_missing_in_train, ["--image-size", "16"], "dog: class not present in the train split"),
-        (_val_class_missing_in_train, [], "imagefolder needs --image-size"),
+        (_val_class_missing_in_train, [], "dog: class not present in the train split"),
         (_no_class_folders, ["--image-size", "16"], "no class folders"),
         (_corrupt_image, ["--image-size", "16", "--on-error", "raise"], "b.png: cannot decode the image"),
+        (_corrupt_image, ["--on-error", "raise"], "b.png: cannot decode the image"),
         (_empty_train_class, ["--image-size", "16"], "train/bee: class folder has no images (.jpg, "),
         (_every_image_unreadable, ["--image-size", "16"], "every image of the train split is unreadable"),
+        (_every_image_unreadable, ["--max-side", "8"], "every image of the train split is unreadable"),
     ],
 )
 def test_imagefolder_errors(tmp_path, capsys, build, extra, message):
@@ -635,6 +637,113 @@ def test_imagefolder_converts_16_bit_cmyk_and_palette_images(tmp_path):
     red = stored[0].reshape(3, -1).mean(1)
     assert red[0] > 240 and red[1] < 15 and red[2] < 15, red
     assert (stored[2] == np.array([10, 20, 30], np.uint8)[:, None, None]).all()
+
+
+# One image per class, so a sample's label names its file: (width, height) as PIL gives them.
+ORIGINALS = {
+    "a_rgb": ("a.jpg", (40, 30)),
+    "b_grey": ("b.JPEG", (20, 50)),
+    "c_cmyk": ("c.jpeg", (64, 16)),
+    "d_png_named_jpeg": ("d.JPEG", (30, 30)),
+    "e_grey16": ("e.png", (48, 24)),
+}
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory) -> Path:
+    """An image folder of ORIGINALS: JPEGs in RGB, grey and CMYK, a PNG named .JPEG, a 16-bit PNG."""
+    src = tmp_path_factory.mktemp("originals")
+    for cls, (name, size) in ORIGINALS.items():
+        (src / cls).mkdir()
+        path = src / cls / name
+        if cls == "a_rgb":
+            Image.new("RGB", size, (200, 30, 30)).save(path, format="JPEG")
+        elif cls == "b_grey":
+            Image.new("L", size, 90).save(path, format="JPEG")
+        elif cls == "c_cmyk":
+            Image.new("CMYK", size, (0, 255, 255, 0)).save(path, format="JPEG")
+        elif cls == "d_png_named_jpeg":
+            Image.new("RGB", size, (30, 200, 30)).save(path, format="PNG")
+        else:
+            Image.fromarray(np.full(size[::-1], 32768, np.uint16)).save(path, format="PNG")
+    return src
+
+
+def test_imagefolder_keeps_original_bytes_and_records_sizes(tmp_path, originals):
+    out = str(tmp_path / "out")
+    assert run("imagefolder", out, "--source", str(originals), "--samples-per-shard", "2") == 0
+    manifest, samples = read_split(os.path.join(out, "train"))
+    classes = list(ORIGINALS)
+    assert manifest["classes"] == classes and manifest["num_samples"] == 5
+    assert manifest["image_size"] is None
+    assert manifest["image_format"] == "mixed"  # e.png is not JPEG-named
+    assert manifest["image_sizes"] == {"count": 5, "min": [16, 20], "max": [50, 64], "mean": [30.0, 40.4]}
+    for sample in samples:
+        cls = classes[int(sample["cls"])]
+        name = ORIGINALS[cls][0]
+        field = "png" if name.endswith(".png") else "jpg"  # d.JPEG holds a PNG: still jpg
+        assert set(sample) == {"__key__", "__url__", "__index__", field, "cls"}
+        assert sample[field] == (originals / cls / name).read_bytes()
+    text = storage.read_bytes(storage.join(out, "train", MANIFEST_NAME)).decode()
+    parsed = ShardManifest.from_json(text, os.path.join(out, "train"), "test")
+    assert parsed.image_size is None and parsed.size_stats == manifest["image_sizes"]
+    assert parsed.to_json(os.path.join(out, "train")) == text
+
+    # A rerun finds everything in place and keeps the manifest as it is.
+    before = all_files(out)
+    assert run("imagefolder", out, "--source", str(originals), "--samples-per-shard", "2") == 0
+    assert all_files(out) == before
+
+
+def test_imagefolder_max_side_shrinks_only_large_images(tmp_path, originals):
+    out = str(tmp_path / "out")
+    assert run("imagefolder", out, "--source", str(originals), "--max-side", "32", "--quality", "90") == 0
+    manifest, samples = read_split(os.path.join(out, "train"))
+    classes = list(ORIGINALS)
+    assert manifest["image_size"] is None and manifest["image_format"] == "mixed"
+    stored = {}
+    for sample in samples:
+        cls = classes[int(sample["cls"])]
+        assert set(sample) == {"__key__", "__url__", "__index__", "jpg", "cls"}  # re-encoded: jpg
+        stored[cls] = sample["jpg"]
+    # Only d (30x30) fits in 32: its bytes (a PNG named .JPEG) are kept.
+    assert stored["d_png_named_jpeg"] == (originals / "d_png_named_jpeg" / "d.JPEG").read_bytes()
+    # CMYK and 16-bit grey (32768) converted as training decodes them.
+    colors = {"a_rgb": (200, 30, 30), "b_grey": (90,) * 3, "c_cmyk": (255, 0, 0), "e_grey16": (128,) * 3}
+    sizes = {"d_png_named_jpeg": (30, 30)}
+    for cls, color in colors.items():
+        width, height = ORIGINALS[cls][1]
+        pixels = decode_chw(stored[cls], "JPEG")  # RGB, whatever the source's mode
+        _, new_height, new_width = pixels.shape
+        assert max(new_height, new_width) == 32, cls
+        assert abs(new_width * height / width - new_height) <= 1, cls  # aspect kept
+        sizes[cls] = (new_height, new_width)
+        assert np.abs(pixels.reshape(3, -1).mean(1) - color).max() < 8, cls
+    assert sizes == {
+        "a_rgb": (24, 32),
+        "b_grey": (32, 13),
+        "c_cmyk": (8, 32),
+        "d_png_named_jpeg": (30, 30),
+        "e_grey16": (16, 32),
+    }
+    assert manifest["image_sizes"] == {"count": 5, "min": [8, 13], "max": [32, 32], "mean": [22.0, 27.8]}
+
+
+def test_imagefolder_copy_skips_unreadable_files(tmp_path, capsys):
+    src = tmp_path / "src"
+    save_image(src / "ant" / "a.jpg", (20, 10), CLASS_COLORS["ant"])
+    noise = np.random.default_rng(0).integers(0, 255, (40, 40, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(src / "ant" / "b.jpg")
+    whole = (src / "ant" / "b.jpg").read_bytes()
+    (src / "ant" / "b.jpg").write_bytes(whole[: len(whole) // 2])  # the header reads, the pixels do not
+    (src / "ant" / "c.jpg").write_bytes(b"not a jpeg")
+    out = str(tmp_path / "out")
+    assert run("imagefolder", out, "--source", str(src)) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("2 unreadable images skipped (first: ")
+    manifest, samples = read_split(os.path.join(out, "train"))
+    assert manifest["num_samples"] == 1 and manifest["image_format"] == "jpg"
+    assert manifest["image_sizes"] == {"count": 1, "min": [10, 20], "max": [10, 20], "mean": [10.0, 20.0]}
+    assert samples[0]["jpg"] == (src / "ant" / "a.jpg").read_bytes()
 
 
 def test_unreadable_images_are_skipped_in_worker_processes(tmp_path, capsys, caplog):
@@ -748,21 +857,39 @@ def test_cifar_without_source_is_an_error(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--image-size", "--max-side"])
 @pytest.mark.parametrize("source", ["digits", "cifar100"])
-def test_image_size_applies_to_imagefolder_only(tmp_path, capsys, source):
+def test_image_size_applies_to_imagefolder_only(tmp_path, capsys, source, flag):
     with pytest.raises(SystemExit) as exc:
-        run(source, str(tmp_path / "out"), "--image-size", "64")
+        run(source, str(tmp_path / "out"), flag, "64")
     assert exc.value.code == 2
-    assert f"--image-size applies to imagefolder only; {source} images are 32x32" in capsys.readouterr().err
+    assert f"{flag} applies to imagefolder only; {source} images are 32x32" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag", ["--upsample", "--samples-per-shard", "--image-size"])
+@pytest.mark.parametrize("flag", ["--upsample", "--samples-per-shard", "--image-size", "--max-side"])
 def test_non_positive_numbers_are_usage_errors(tmp_path, capsys, flag):
     with pytest.raises(SystemExit) as exc:
         run("digits", str(tmp_path / "out"), flag, "0")
     assert exc.value.code == 2
     assert f"{flag} must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--image-size", "16", "--max-side", "32"], "--image-size and --max-side exclude each other"),
+        (["--image-format", "jpg"], "--image-format applies to imagefolder only with --image-size"),
+        (["--quality", "0"], "--quality: must be an integer from 1 to 100, got '0'"),
+        (["--quality", "high"], "--quality: must be an integer from 1 to 100, got 'high'"),
+    ],
+)
+def test_imagefolder_option_conflicts_are_usage_errors(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        run("imagefolder", str(tmp_path / "out"), "--source", str(tmp_path), *extra)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -8,7 +8,13 @@ import pytest
 
 from tests.conftest import numbered_samples
 from tpustream import storage
-from tpustream.data.manifest import load_manifest
+from tpustream.data.manifest import (
+    MANIFEST_FORMAT,
+    ShardInfo,
+    ShardManifest,
+    load_manifest,
+    summarize_image_sizes,
+)
 from tpustream.errors import ConfigError
 
 
@@ -67,3 +73,45 @@ def test_manifest_in_a_bucket_and_missing_bucket(bucket, write_split):
         ConfigError, match=r"elsewhere/train: no shards \(\*.tar, \*.tar.gz, \*.tgz\) and no manifest.json"
     ):
         load_manifest(f"{bucket}/elsewhere/train")
+
+
+def test_variable_size_manifest_round_trips(tmp_path):
+    folder = str(tmp_path / "train")
+    stats = summarize_image_sizes([(375, 500), (500, 333), (64, 4000)])
+    assert stats == {"count": 3, "min": [64, 333], "max": [500, 4000], "mean": [313.0, 1611.0]}
+    manifest = ShardManifest(
+        split="train",
+        classes=["a", "b"],
+        image_size=None,
+        channels=3,
+        image_format="mixed",
+        shards=[ShardInfo(storage.join(folder, "train-000000.tar"), 3)],
+        size_stats=stats,
+    )
+    text = manifest.to_json(folder)
+    doc = json.loads(text)
+    assert doc["image_size"] is None and doc["image_sizes"] == stats
+    again = ShardManifest.from_json(text, folder, "test")
+    assert again == manifest and again.to_json(folder) == text
+
+
+def test_fixed_size_manifests_without_size_stats_still_read(three_shards):
+    text = storage.read_bytes(storage.join(three_shards, "manifest.json")).decode()
+    manifest = ShardManifest.from_json(text, three_shards, "test")
+    assert manifest.image_size == (8, 8) and manifest.size_stats is None
+    assert json.loads(manifest.to_json(three_shards)) == json.loads(text)
+
+
+def test_malformed_size_stats_are_refused(tmp_path):
+    doc = {
+        "format": MANIFEST_FORMAT,
+        "split": "train",
+        "classes": ["a"],
+        "image_size": None,
+        "image_sizes": {"count": 1, "min": [1], "max": [1, 1], "mean": [1, 1]},
+        "channels": 3,
+        "image_format": "jpg",
+        "shards": [],
+    }
+    with pytest.raises(ConfigError, match="not a valid tpustream manifest"):
+        ShardManifest.from_json(json.dumps(doc), str(tmp_path), "test")

@@ -2,10 +2,19 @@
 
     tpustream-make-shards digits data/digits
     tpustream-make-shards cifar10 gs://BUCKET/cifar10 --source cifar-10-python.tar.gz --upsample 25
-    tpustream-make-shards imagefolder gs://BUCKET/imagenet --source /data/imagenet --image-size 128
+    tpustream-make-shards imagefolder gs://BUCKET/imagenet --source /data/imagenet
+    tpustream-make-shards imagefolder gs://BUCKET/imagenet-512 --source /data/imagenet --max-side 512
+    tpustream-make-shards imagefolder gs://BUCKET/imagenet-128 --source /data/imagenet --image-size 128
 
-Layout: OUTPUT/<split>/<split>-NNNNNN.tar with members <key>.<png|jpg|raw> and
-<key>.cls, and OUTPUT/<split>/manifest.json, written last: a split is usable
+An image folder's files are kept as they are, their bytes copied (under jpg
+for .jpg/.jpeg files, else their extension), as ImageNet shards usually hold
+the original JPEGs; --max-side N shrinks the images larger than N to N on
+their longer side and re-encodes them as JPEG; --image-size S resizes and
+center-crops every image to SxS instead. The manifest records the images'
+sizes (image_size null when they vary, and image_sizes: count, min, max, mean).
+
+Layout: OUTPUT/<split>/<split>-NNNNNN.tar with members <key>.<png|jpg|raw|...>
+and <key>.cls, and OUTPUT/<split>/manifest.json, written last: a split is usable
 exactly when its manifest exists. Shard bytes are deterministic, every write
 is atomic and identical shards already in place are skipped, so a rerun after
 an interruption (Ctrl-C included) finishes the job without rewriting what is
@@ -16,6 +25,7 @@ default) or stop the run naming the file (--on-error raise).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import logging
 import os
@@ -31,7 +41,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from tpustream import storage
-from tpustream.data.manifest import IMAGE_FORMATS, MANIFEST_NAME, ShardInfo, ShardManifest
+from tpustream.data.manifest import MANIFEST_NAME, ShardInfo, ShardManifest, summarize_image_sizes
 from tpustream.data.sources import (
     CIFAR_SIZE,
     DIGITS_SIZE,
@@ -42,6 +52,8 @@ from tpustream.data.sources import (
     digits_splits,
     imagefolder_splits,
     load_image_file,
+    original_images_format,
+    read_image_file,
 )
 from tpustream.data.tar_stream import write_tar
 from tpustream.errors import ConfigError, DataError, TpustreamError
@@ -53,8 +65,12 @@ SOURCES = ("digits", "cifar10", "cifar100", "imagefolder")
 # workers read in parallel; CIFAR follows the seed setup (1.28M images in 640
 # shards); ImageNet-sized JPEGs make ~100 MB shards at 1000 per shard.
 DEFAULT_SAMPLES_PER_SHARD = {"digits": 256, "cifar10": 2000, "cifar100": 2000, "imagefolder": 1000}
+# How decoded pixels can be stored (--image-format); image folders kept as
+# they are say jpg or mixed in their manifest instead.
+ENCODED_FORMATS = ("png", "jpg", "raw")
+DEFAULT_ENCODED_FORMAT = "png"
 JPEG_QUALITY = 95
-# Sources whose images have one fixed size: --image-size does not apply to them.
+# Sources whose images have one fixed size: --image-size and --max-side do not apply to them.
 FIXED_IMAGE_SIZES = {"digits": DIGITS_SIZE, "cifar10": CIFAR_SIZE, "cifar100": CIFAR_SIZE}
 # The policy words of training's data.on_error, for unreadable image files.
 ON_ERROR_CHOICES = ("skip", "raise")
@@ -91,6 +107,7 @@ class ShardResult:
     planned: int  # the task's keys, whether written or skipped
     wrote: bool  # False when identical bytes were already in place
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) per image left out
+    sizes: list[tuple[int, int]] = field(default_factory=list)  # (height, width) per image written
 
 
 @dataclass
@@ -101,43 +118,55 @@ class ShardTask:
     keys: list[str]
     images: list[ImageRef]
     labels: list[int]
-    image_format: str
-    image_size: int
+    image_format: str  # how pixel arrays and images made image_size square are encoded
+    image_size: int | None  # image files: resized and center-cropped to this square, or None: kept
     on_error: str  # "skip" or "raise", for image files that cannot be decoded
     manifest_url: str
+    max_side: int | None = None  # image files kept: those with a longer side are shrunk to it
+    quality: int = JPEG_QUALITY  # of every JPEG this task encodes
 
     def run(self) -> ShardResult:
         """Build the tar and write it unless identical bytes are already there."""
         members = []
         skipped: list[tuple[str, str]] = []
+        sizes: list[tuple[int, int]] = []
         for key, image, label in zip(self.keys, self.images, self.labels, strict=True):
-            if isinstance(image, str):
-                try:
-                    image = load_image_file(image, self.image_size)
-                except UnreadableImageError as exc:
-                    if self.on_error == "raise":
-                        raise
-                    # The other samples keep their keys (their write
-                    # positions), leaving a gap rather than renumbering: a
-                    # shard's keys are fixed before any image is decoded, so
-                    # shards are built independently and their bytes do not
-                    # depend on what other shards skipped.
-                    skipped.append((exc.path, exc.reason))
-                    continue
-            members.append((f"{key}.{self.image_format}", encode_image(image, self.image_format)))
+            try:
+                name, data, size = self._stored_image(image)
+            except UnreadableImageError as exc:
+                if self.on_error == "raise":
+                    raise
+                # The other samples keep their keys (their write positions),
+                # leaving a gap rather than renumbering: a shard's keys are
+                # fixed before any image is read, so shards are built
+                # independently and their bytes do not depend on what other
+                # shards skipped.
+                skipped.append((exc.path, exc.reason))
+                continue
+            members.append((f"{key}.{name}", data))
             members.append((f"{key}.cls", str(label).encode()))
+            sizes.append(size)
         # A shard left with no samples is still written (an empty tar) and
         # listed with 0: shard names stay contiguous and the readers skip it.
         data = write_tar(members)
         samples = len(self.keys) - len(skipped)
         if storage.has_same_content(self.url, data):
-            return ShardResult(self.url, samples, len(self.keys), False, skipped)
+            return ShardResult(self.url, samples, len(self.keys), False, skipped, sizes)
         if skipped:
             # A manifest kept from an earlier run counts this shard's images
             # as readable; it must not stay visible over fewer samples.
             storage.delete(self.manifest_url)
         storage.write_bytes(self.url, data)
-        return ShardResult(self.url, samples, len(self.keys), True, skipped)
+        return ShardResult(self.url, samples, len(self.keys), True, skipped, sizes)
+
+    def _stored_image(self, image: ImageRef) -> tuple[str, bytes, tuple[int, int]]:
+        """(field, bytes, (height, width)) of one sample's image; UnreadableImageError for a bad file."""
+        if isinstance(image, str) and self.image_size is None:
+            return read_image_file(image, self.max_side, self.quality)
+        if isinstance(image, str):
+            image = load_image_file(image, self.image_size)
+        encoded = encode_image(image, self.image_format, self.quality)
+        return self.image_format, encoded, (image.shape[1], image.shape[2])
 
 
 def _run_task(task: ShardTask) -> ShardResult:
@@ -193,7 +222,9 @@ def write_split(
     output: str,
     *,
     samples_per_shard: int,
-    image_format: str,
+    image_format: str = DEFAULT_ENCODED_FORMAT,
+    max_side: int | None = None,
+    quality: int = JPEG_QUALITY,
     upsample: int = 1,
     seed: int = 0,
     workers: int = 1,
@@ -203,12 +234,19 @@ def write_split(
 ) -> tuple[ShardManifest, int]:
     """Write one split's shards and then its manifest; returns (manifest, shards written).
 
-    Unreadable image files are left out and added to skipped (on_error="skip")
-    or raise UnreadableImageError (on_error="raise"); the manifest counts the
-    samples the shards really hold.
+    image_format (png, jpg or raw) encodes pixel arrays, and image files when
+    the split has an image_size; without one, image files are kept as they
+    are (those with a side over max_side re-encoded as JPEG) and the manifest
+    says jpg or mixed. Unreadable image files are left out and added to
+    skipped (on_error="skip") or raise UnreadableImageError (on_error="raise");
+    the manifest counts the samples the shards really hold and, for image
+    files, records their sizes.
     """
     if on_error not in ON_ERROR_CHOICES:
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
+    if image_format not in ENCODED_FORMATS:
+        raise ValueError(f"image_format must be one of {', '.join(ENCODED_FORMATS)}, got {image_format!r}")
+    manifest_format = image_format if split.image_size is not None else original_images_format(split.images)
     skipped = SkippedImages() if skipped is None else skipped
     folder = storage.join(output, split.name)
     manifest_url = storage.join(folder, MANIFEST_NAME)
@@ -224,20 +262,20 @@ def write_split(
                 images=[split.images[i] for i in chunk],
                 labels=[int(split.labels[i]) for i in chunk],
                 image_format=image_format,
-                image_size=split.image_size[0],
+                image_size=None if split.image_size is None else split.image_size[0],
                 on_error=on_error,
                 manifest_url=manifest_url,
+                max_side=max_side,
+                quality=quality,
             )
         )
-    planned = _make_manifest(split, image_format, [ShardInfo(t.url, len(t.keys)) for t in tasks])
+    planned = _make_manifest(split, manifest_format, [ShardInfo(t.url, len(t.keys)) for t in tasks])
     # A manifest describing other shards (another seed, size or format) must
     # not stay visible while its shards are overwritten: a reader would trust
     # its counts. Without a manifest the split is plainly unusable until done.
     # The one kept is what this run writes if every image is readable (a
     # rerun of a finished run); ShardTask.run removes it if one is not.
-    if not storage.has_same_content(manifest_url, planned.to_json(folder).encode()) and storage.delete(
-        manifest_url
-    ):
+    if not _kept_manifest_matches(manifest_url, planned, folder) and storage.delete(manifest_url):
         log.info("%s: removed the previous manifest; it describes different shards", manifest_url)
     results = _run_tasks(tasks, workers, split.name, len(order), progress)
     for result in results:
@@ -252,7 +290,9 @@ def write_split(
         )
     _warn_stale_shards(folder, split.name, len(tasks))
     # Written last, from the counts the shards really hold.
-    manifest = _make_manifest(split, image_format, [ShardInfo(r.url, r.samples) for r in results])
+    manifest = _make_manifest(split, manifest_format, [ShardInfo(r.url, r.samples) for r in results])
+    if split.from_files:
+        manifest.size_stats = summarize_image_sizes(size for r in results for size in r.sizes)
     storage.write_bytes(manifest_url, manifest.to_json(folder).encode())
     return manifest, sum(result.wrote for result in results)
 
@@ -266,6 +306,24 @@ def _make_manifest(split: SplitSource, image_format: str, shards: list[ShardInfo
         image_format=image_format,
         shards=shards,
     )
+
+
+def _kept_manifest_matches(manifest_url: str, planned: ShardManifest, folder: str) -> bool:
+    """Whether the manifest in place says what planned says, its image size statistics aside.
+
+    The statistics are known only once every image has been read; what
+    matters to a reader while shards are rewritten is the shards and counts.
+    Equal shards, counts, size and format with other statistics (another
+    --max-side) would mean other image sizes in the same number of samples:
+    the statistics are briefly stale, then rewritten with the manifest.
+    """
+    if not storage.exists(manifest_url):
+        return False
+    try:
+        kept = ShardManifest.from_json(storage.read_bytes(manifest_url).decode(), folder, manifest_url)
+    except (TpustreamError, UnicodeDecodeError):
+        return False
+    return dataclasses.replace(kept, size_stats=None) == planned
 
 
 def _run_tasks(
@@ -323,6 +381,17 @@ def load_source(args: argparse.Namespace) -> list[SplitSource]:
     return imagefolder_splits(args.source, args.image_size)
 
 
+def _quality(text: str) -> int:
+    """--quality: an integer from 1 to 100, or argparse's usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 100, got {text!r}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tpustream-make-shards",
@@ -340,12 +409,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--image-format",
-        choices=IMAGE_FORMATS,
-        default="png",
-        help="png, jpg, or raw (uint8 CHW pixels: no decode at training time)",
+        choices=ENCODED_FORMATS,
+        default=None,
+        help="how pixels are stored: png (default), jpg, or raw (uint8 CHW pixels: no decode at "
+        "training time); for imagefolder only with --image-size (else the files are kept as they are)",
     )
     parser.add_argument(
-        "--image-size", type=int, default=None, help="imagefolder: resize shorter side and center-crop to SxS"
+        "--image-size",
+        type=int,
+        default=None,
+        help="imagefolder: resize the shorter side and center-crop every image to SxS, re-encoded "
+        "(default: keep each file's bytes as they are)",
+    )
+    parser.add_argument(
+        "--max-side",
+        type=int,
+        default=None,
+        help="imagefolder: shrink images whose longer side exceeds N to N (aspect kept) and re-encode "
+        "them as JPEG; smaller images are kept as they are",
+    )
+    parser.add_argument(
+        "--quality",
+        type=_quality,
+        default=JPEG_QUALITY,
+        help=f"JPEG quality (1-100) of the images this command encodes (default {JPEG_QUALITY})",
     )
     parser.add_argument(
         "--seed",
@@ -367,11 +454,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--upsample must be at least 1")
     if args.samples_per_shard is not None and args.samples_per_shard < 1:
         parser.error("--samples-per-shard must be at least 1")
-    if args.image_size is not None and args.image_size < 1:
-        parser.error("--image-size must be at least 1")
-    if args.image_size is not None and args.source_kind in FIXED_IMAGE_SIZES:
-        size = FIXED_IMAGE_SIZES[args.source_kind]
-        parser.error(f"--image-size applies to imagefolder only; {args.source_kind} images are {size}x{size}")
+    for flag, value in (("--image-size", args.image_size), ("--max-side", args.max_side)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1")
+        if value is not None and args.source_kind in FIXED_IMAGE_SIZES:
+            size = FIXED_IMAGE_SIZES[args.source_kind]
+            parser.error(f"{flag} applies to imagefolder only; {args.source_kind} images are {size}x{size}")
+    if args.image_size is not None and args.max_side is not None:
+        parser.error(
+            "--image-size and --max-side exclude each other: --image-size makes every image SxS, "
+            "--max-side only shrinks the large ones and keeps the rest as they are"
+        )
+    if args.source_kind == "imagefolder" and args.image_size is None and args.image_format is not None:
+        parser.error(
+            "--image-format applies to imagefolder only with --image-size: without it the image files "
+            "are kept as they are (and --max-side re-encodes the large ones as JPEG)"
+        )
+    if args.image_format is None:
+        args.image_format = DEFAULT_ENCODED_FORMAT
     return args
 
 
@@ -391,6 +491,8 @@ def make_shards(args: argparse.Namespace) -> list[ShardManifest]:
             output,
             samples_per_shard=per_shard,
             image_format=args.image_format,
+            max_side=args.max_side,
+            quality=args.quality,
             upsample=args.upsample,
             seed=args.seed,
             workers=args.workers,

@@ -7,6 +7,7 @@ replicas agree on the number of all-reduces without talking to each other.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from tpustream import storage
@@ -14,7 +15,9 @@ from tpustream.errors import ConfigError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "tpustream.manifest/1"
-IMAGE_FORMATS = ("png", "jpg", "raw")
+# mixed: original image files of several formats, each sample's under its own
+# extension (jpg, png, webp, ...); decoders tell the format from the content.
+IMAGE_FORMATS = ("png", "jpg", "raw", "mixed")
 
 
 @dataclass(frozen=True)
@@ -31,10 +34,13 @@ class ShardManifest:
 
     split: str
     classes: list[str]
-    image_size: tuple[int, int]  # (height, width)
+    image_size: tuple[int, int] | None  # (height, width); None: images vary in size
     channels: int
     image_format: str
     shards: list[ShardInfo] = field(default_factory=list)
+    # The stored images' (height, width): {"count": n, "min": [h, w], "max": [h, w],
+    # "mean": [h, w]}, min and max per dimension; None when not recorded.
+    size_stats: dict | None = None
     # Where the sample counts came from, for the start-up log (not serialised).
     counts_from: str = "manifest.json"
 
@@ -60,11 +66,11 @@ class ShardManifest:
             "split": self.split,
             "num_samples": self.num_samples,
             "classes": self.classes,
-            "image_size": list(self.image_size),
-            "channels": self.channels,
-            "image_format": self.image_format,
-            "shards": shards,
+            "image_size": None if self.image_size is None else list(self.image_size),
         }
+        if self.size_stats is not None:
+            doc["image_sizes"] = self.size_stats
+        doc |= {"channels": self.channels, "image_format": self.image_format, "shards": shards}
         return json.dumps(doc, indent=1) + "\n"
 
     @classmethod
@@ -80,10 +86,11 @@ class ShardManifest:
             manifest = cls(
                 split=str(doc["split"]),
                 classes=[str(c) for c in doc["classes"]],
-                image_size=(int(doc["image_size"][0]), int(doc["image_size"][1])),
+                image_size=_read_image_size(doc["image_size"]),
                 channels=int(doc["channels"]),
                 image_format=str(doc["image_format"]),
                 shards=shards,
+                size_stats=_read_size_stats(doc.get("image_sizes")),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise ConfigError(f"{source}: not a valid tpustream manifest ({exc})") from exc
@@ -97,6 +104,43 @@ class ShardManifest:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _read_image_size(value: list | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    height, width = value
+    return int(height), int(width)
+
+
+def _read_size_stats(value: dict | None) -> dict | None:
+    """The image_sizes record, checked and normalised; None when the manifest has none."""
+    if value is None:
+        return None
+    height, width = value["mean"]
+    return {
+        "count": int(value["count"]),
+        "min": list(_read_image_size(value["min"])),
+        "max": list(_read_image_size(value["max"])),
+        "mean": [round(float(height), 1), round(float(width), 1)],
+    }
+
+
+def summarize_image_sizes(sizes: Iterable[tuple[int, int]]) -> dict | None:
+    """A manifest's image_sizes record of (height, width) pairs; None for none."""
+    heights, widths = [], []
+    for height, width in sizes:
+        heights.append(height)
+        widths.append(width)
+    if not heights:
+        return None
+    count = len(heights)
+    return {
+        "count": count,
+        "min": [min(heights), min(widths)],
+        "max": [max(heights), max(widths)],
+        "mean": [round(sum(heights) / count, 1), round(sum(widths) / count, 1)],
+    }
 
 
 def load_manifest(spec: str) -> ShardManifest:

@@ -2,7 +2,8 @@
 
 A source gives, per split, the class names and a sequence of samples; a
 sample is (image, label) where image is a uint8 CHW array or, for image
-folders, a file path decoded later in a worker process.
+folders, a file path read later in a worker process: its bytes kept as they
+are (read_image_file) or decoded to a fixed size (load_image_file).
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ class SplitSource:
     classes: list[str]
     images: Sequence[ImageRef]
     labels: np.ndarray
-    image_size: tuple[int, int]
+    image_size: tuple[int, int] | None  # (height, width); None: image files kept at their own sizes
     channels: int = 3
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def from_files(self) -> bool:
+        """Whether the images are file paths (an image folder) rather than pixel arrays."""
+        return len(self.images) > 0 and isinstance(self.images[0], str)
 
 
 DIGITS_SIZE = 32
@@ -147,6 +153,7 @@ def cifar_splits(path: str, variant: str) -> list[SplitSource]:
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+JPEG_EXTENSIONS = (".jpg", ".jpeg")
 FOLDER_SPLITS = ("train", "val", "test")
 
 
@@ -160,12 +167,11 @@ def imagefolder_splits(path: str, image_size: int | None, default_split: str = "
     """A folder of class folders, or of train/val/test folders that each hold class folders.
 
     Class names come from the train split (or the only split), sorted as
-    torchvision's ImageFolder sorts them.
+    torchvision's ImageFolder sorts them. image_size None keeps the files at
+    their own sizes; a size makes every image size x size.
     """
     if not os.path.isdir(path):
         raise ConfigError(f"--source {path}: not a folder")
-    if image_size is None:
-        raise ConfigError("imagefolder needs --image-size: TPU graphs need one static image shape")
     subfolders = _class_folders(path)
     split_roots = [(s, os.path.join(path, s)) for s in FOLDER_SPLITS if s in subfolders]
     if not split_roots:
@@ -199,10 +205,24 @@ def imagefolder_splits(path: str, image_size: int | None, default_split: str = "
             labels += [index[cls]] * len(class_files)
         if not files:
             raise ConfigError(f"--source {root}: no images ({', '.join(IMAGE_EXTENSIONS)})")
-        splits.append(
-            SplitSource(split, classes, files, np.asarray(labels, np.int64), (image_size, image_size))
-        )
+        size = None if image_size is None else (image_size, image_size)
+        splits.append(SplitSource(split, classes, files, np.asarray(labels, np.int64), size))
     return splits
+
+
+def original_images_format(paths: Sequence[str]) -> str:
+    """A manifest's image_format for image files kept as they are: jpg if all are named so, else mixed."""
+    return "jpg" if all(p.lower().endswith(JPEG_EXTENSIONS) for p in paths) else "mixed"
+
+
+def image_field(path: str) -> str:
+    """The sample field an image file is kept under: its lower-case extension, jpeg as jpg.
+
+    The name, not the content, decides: a PNG named .JPEG (ImageNet has one)
+    stays a jpg field, and decoders tell the format from the bytes.
+    """
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    return "jpg" if extension == "jpeg" else extension
 
 
 class UnreadableImageError(DataError):
@@ -219,6 +239,77 @@ class UnreadableImageError(DataError):
         return type(self), (self.path, self.reason)
 
 
+# What PIL raises for a file it cannot read. OSError: PIL.UnidentifiedImageError,
+# truncated or vanished files; SyntaxError, ValueError and EOFError: malformed
+# headers and chunks, unconvertible modes; DecompressionBombError: PIL refuses
+# images of absurd pixel counts.
+PIL_READ_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
+# Shrinking for --max-side: Lanczos, after an exact integer reduction of
+# images this many times larger (PIL's reducing_gap: 3 is indistinguishable
+# from plain Lanczos, and much faster on big images); JPEGs are first decoded
+# at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling) while still at least
+# DRAFT_GAP times the target, as PIL's thumbnail() does.
+REDUCING_GAP = 3.0
+DRAFT_GAP = 2.0
+
+
+def _unreadable(path: str, exc: BaseException) -> UnreadableImageError:
+    return UnreadableImageError(path, " ".join(str(exc).split()) or type(exc).__name__)
+
+
+def read_image_file(path: str, max_side: int | None, quality: int) -> tuple[str, bytes, tuple[int, int]]:
+    """(field, bytes, (height, width)) of an image file stored as it is, unless too big.
+
+    The bytes are the file's own, once PIL has checked that they decode (see
+    _check_decodes). With max_side, an image whose longer side exceeds it is
+    shrunk to max_side (aspect kept), converted to RGB and re-encoded as a
+    JPEG at quality, under the field jpg. Raises UnreadableImageError naming
+    the file if it cannot be read or decoded.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if max_side is not None and max(width, height) > max_side:
+                return "jpg", *_shrink_to_jpeg(image, max_side, quality)
+            _check_decodes(image)
+    except PIL_READ_ERRORS as exc:
+        raise _unreadable(path, exc) from exc
+    return image_field(path), data, (height, width)
+
+
+def _check_decodes(image: Image.Image) -> None:
+    """Raise if the pixels do not decode, at a fraction of a full decode's cost.
+
+    A JPEG is decoded at 1/8 scale: libjpeg still reads every coefficient, so a
+    truncated or corrupt stream fails, but skips most of the inverse DCT. A
+    PNG's chunks are checked against their CRCs (verify). Other formats, rare
+    in image folders, are decoded.
+    """
+    if image.format in ("JPEG", "MPO"):
+        image.draft(image.mode, (1, 1))
+        image.load()
+    elif image.format == "PNG":
+        image.verify()
+    else:
+        image.load()
+
+
+def _shrink_to_jpeg(image: Image.Image, max_side: int, quality: int) -> tuple[bytes, tuple[int, int]]:
+    """image with its longer side made max_side, as RGB JPEG bytes, and its new (height, width)."""
+    width, height = image.size
+    scale = max_side / max(width, height)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    image.draft(image.mode, (round(size[0] * DRAFT_GAP), round(size[1] * DRAFT_GAP)))
+    # 16-bit grey scaled to 8 bits as training decodes it, CMYK and palettes converted.
+    rgb = Image.fromarray(convert_pil_image(image, 3))
+    small = rgb.resize(size, Image.LANCZOS, reducing_gap=REDUCING_GAP)
+    out = io.BytesIO()
+    small.save(out, format="JPEG", quality=quality)
+    return out.getvalue(), (size[1], size[0])
+
+
 def load_image_file(path: str, size: int) -> np.ndarray:
     """Decode, resize the shorter side to size and center-crop to size x size; uint8 CHW RGB.
 
@@ -229,11 +320,8 @@ def load_image_file(path: str, size: int) -> np.ndarray:
             # 16-bit grey scaled to 8 bits as training decodes it (PIL's
             # convert("RGB") would clip mid grey to white), CMYK and palettes converted.
             im = Image.fromarray(convert_pil_image(opened, 3))
-    # OSError: PIL.UnidentifiedImageError, truncated or vanished files;
-    # SyntaxError and ValueError: malformed headers and chunks, unconvertible
-    # modes; DecompressionBombError: PIL refuses images of absurd pixel counts.
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise UnreadableImageError(path, " ".join(str(exc).split()) or type(exc).__name__) from exc
+    except PIL_READ_ERRORS as exc:
+        raise _unreadable(path, exc) from exc
     w, h = im.size
     scale = size / min(w, h)
     im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
