@@ -7,7 +7,16 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tpustream.config import Device, LastBatch, OnError, OptimizerName, Precision, Strategy, TrainConfig
+from tpustream.config import (
+    Device,
+    LastBatch,
+    OnError,
+    OptimizerName,
+    Precision,
+    Schedule,
+    Strategy,
+    TrainConfig,
+)
 from tpustream.launch import resolve_config
 from tpustream.launch.checks import DEFAULT_XLA_CACHE
 
@@ -37,6 +46,19 @@ def test_every_group_option_composes(compose_config, overrides):
     typed, plain = resolve_config(cfg)
     assert isinstance(typed, TrainConfig)
     assert plain["data"]["name"] == overrides[0].split("=")[1]
+
+
+def test_imagenet_resnet50_uses_the_pytorch_xla_reference_recipe(compose_config):
+    """conf/optim/imagenet_sgd.yaml is data=imagenet's optim default; optim=... still wins."""
+    typed, _ = resolve_config(compose_config("data=imagenet", "model=resnet50"))
+    optim = typed.optim
+    assert (optim.name, optim.lr, optim.reference_batch_size) == (OptimizerName.sgd, 0.5, 1024)
+    assert (optim.momentum, optim.nesterov, optim.weight_decay) == (0.9, False, 1e-4)
+    assert optim.label_smoothing == 0.0  # the reference's plain nn.CrossEntropyLoss()
+    assert (optim.schedule, optim.warmup_epochs) == (Schedule.step, 0.9)
+    assert (optim.decay_every_epochs, optim.decay_factor) == (20, 0.2)
+    assert compose_config("data=imagenet", "optim=adamw").optim.name == "adamw"
+    assert compose_config("data=cifar10").optim.lr == 0.1  # other datasets keep optim=sgd
 
 
 def test_enum_overrides_become_enums(compose_config):

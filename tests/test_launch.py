@@ -58,6 +58,7 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["data.stages=[nowhere.module:stage]"], r"data.stages entry 'nowhere.module:stage': cannot import"),
         (["data.stages=[tests.user_stages:missing]"], "has no callable 'missing'"),
         (["optim.lr=-0.1"], r"optim.lr must be a positive number, got -0.1"),
+        (["optim.decay_factor=0"], r"optim.decay_factor in \(0, 1\], got 30.0 and 0.0"),
         (["seed=-1"], "seed must be >= 0"),
         (["data.prefetch_factor=0"], "data.prefetch_factor must be at least 1, got 0"),
         (["optim.label_smoothing=1.5"], r"optim.label_smoothing must be in \[0, 1\), got 1.5"),

@@ -46,6 +46,29 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor_without_special_val
     assert [constant(s) for s in range(5)] == [0.05, 0.1, 0.1, 0.1, 0.1]
 
 
+def test_step_schedule_divides_at_fixed_steps_counted_from_the_start():
+    """pytorch/xla's WarmupAndExponentialDecayScheduler: warmup, then lr x factor^(step // every)."""
+    schedule = LRSchedule(
+        peak=0.5, warmup_steps=3, total_steps=40, kind=Schedule.step, decay_every_steps=10, decay_factor=0.2
+    )
+    values = [schedule(s) for s in range(40)]
+    assert values[:3] == pytest.approx([0.5 / 3, 1 / 3, 0.5])  # linear warmup, as every schedule
+    assert values[3:10] == [0.5] * 7  # the first decay comes 10 steps after step 0, not after warmup
+    for start, lr in ((10, 0.1), (20, 0.02), (30, 0.004)):
+        assert values[start : start + 10] == pytest.approx([lr] * 10)
+    floored = LRSchedule(
+        peak=1.0,
+        warmup_steps=1,
+        total_steps=40,
+        kind=Schedule.step,
+        min_ratio=0.05,
+        decay_every_steps=10,
+        decay_factor=0.1,
+    )
+    assert floored(15) == pytest.approx(0.1) and floored(25) == pytest.approx(0.05)
+    assert all(v not in (0.0, 1.0) for v in (floored(0), floored(5), floored(10**6)))
+
+
 def test_rate_tracker_counts_samples():
     tracker = RateTracker()
     tracker.start -= 2.0

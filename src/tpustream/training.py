@@ -55,17 +55,24 @@ def xla_safe_scalar(value: float) -> float:
 
 @dataclass
 class LRSchedule:
-    """Linear warmup to the peak, then cosine decay or constant; per step."""
+    """Linear warmup to the peak, then cosine decay, step decay or constant; per step."""
 
     peak: float
     warmup_steps: int
     total_steps: int
     kind: Schedule
     min_ratio: float = 0.0
+    # Schedule.step: the peak times decay_factor ** (step // decay_every_steps).
+    decay_every_steps: int = 1
+    decay_factor: float = 1.0
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             factor = (step + 1) / self.warmup_steps
+        elif self.kind == Schedule.step:
+            # Counted from step 0, warmup included, as pytorch/xla's
+            # WarmupAndExponentialDecayScheduler (test/schedulers.py) counts epochs.
+            factor = max(self.min_ratio, self.decay_factor ** (step // self.decay_every_steps))
         elif self.kind == Schedule.constant or self.total_steps <= self.warmup_steps:
             factor = 1.0
         else:
@@ -208,6 +215,8 @@ class Trainer:
             total_steps=cfg.epochs * self.steps_per_epoch,
             kind=cfg.optim.schedule,
             min_ratio=cfg.optim.min_lr_ratio,
+            decay_every_steps=max(1, round(cfg.optim.decay_every_epochs * self.steps_per_epoch)),
+            decay_factor=cfg.optim.decay_factor,
         )
         self.output_dir = cfg.output_dir
         self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
