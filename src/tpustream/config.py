@@ -29,6 +29,18 @@ class LastBatch(str, Enum):
 OnError = Enum("OnError", {"skip": "skip", "raise": "raise"}, type=str)
 
 
+class TrainCrop(str, Enum):
+    """How a training image becomes the model's input."""
+
+    # Zero-pad by data.crop_padding and crop back at a random offset (the
+    # CIFAR recipe): for small images all of one size.
+    pad_crop = "pad_crop"
+    # torchvision's RandomResizedCrop to data.image_size (the ImageNet
+    # recipe), for images of any size; evaluation then resizes the shorter
+    # side to image_size / eval_crop_ratio and takes the centre square.
+    random_resized = "random_resized"
+
+
 class IndexMode(str, Enum):
     """What to do when no sample count is recorded for a shard."""
 
@@ -71,6 +83,9 @@ class OptimizerName(str, Enum):
 class Schedule(str, Enum):
     cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * lr
     constant = "constant"  # linear warmup, then constant
+    # linear warmup, then lr x decay_factor ** (epochs done // decay_every_epochs),
+    # not below min_lr_ratio * lr (pytorch/xla's WarmupAndExponentialDecayScheduler)
+    step = "step"
 
 
 @dataclass
@@ -87,7 +102,7 @@ class DataConfig:
     train_shards: Any = MISSING
     val_shards: Any = MISSING
     # The sample field holding the image; null = the first of jpg jpeg png ppm
-    # pgm pbm webp bmp tif tiff raw present; "a;b" = a, else b.
+    # pgm pbm webp bmp tif tiff gif raw present; "a;b" = a, else b.
     image_key: str | None = None
     # The sample field holding the integer label: cls, cls2, index, ..., or
     # json:<field> for a field of the sample's json member (json:a.b nests).
@@ -119,8 +134,13 @@ class DataConfig:
     # Stop the run when more than this fraction of a split's samples were bad
     # or missing in an epoch (on_error=skip): padding a broken dataset is not training.
     max_bad_fraction: float = 0.01
-    # Random crop after zero-padding by this many pixels (0 = no crop).
+    # Training crop: pad_crop (images of one size) or random_resized (any size, ImageNet's).
+    train_crop: TrainCrop = TrainCrop.pad_crop
+    # pad_crop: random crop after zero-padding by this many pixels (0 = no crop).
     crop_padding: int = 4
+    # random_resized: evaluation resizes the shorter side to image_size / this
+    # (0.875: 256 for 224) and takes the centre image_size square.
+    eval_crop_ratio: float = 0.875
     hflip: bool = True
     # Read and decode the whole split once per replica and serve batches from
     # memory (shared with the DataLoader workers) instead of streaming shards
@@ -152,6 +172,10 @@ class OptimConfig:
     schedule: Schedule = Schedule.cosine
     warmup_epochs: float = 1.0
     min_lr_ratio: float = 0.0
+    # schedule=step: multiply the learning rate by decay_factor every
+    # decay_every_epochs, counted from the first step (warmup included).
+    decay_every_epochs: float = 30.0
+    decay_factor: float = 0.1
 
 
 @dataclass

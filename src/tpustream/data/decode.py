@@ -26,7 +26,7 @@ from tpustream.data.image_modes import convert_pil_image, scale_16_to_8
 from tpustream.errors import ConfigError
 
 # The fields tried, in this order, when no image key is configured.
-DEFAULT_IMAGE_KEYS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "webp", "bmp", "tif", "tiff", "raw")
+DEFAULT_IMAGE_KEYS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "webp", "bmp", "tif", "tiff", "gif", "raw")
 # Image fields (by their last extension) that torchvision decodes; the rest go to PIL.
 _FAST_IMAGE_EXTENSIONS = frozenset(("png", "jpg", "jpeg", "webp"))
 _RAW_EXTENSION = "raw"
@@ -38,7 +38,7 @@ class SampleError(ValueError):
     """One sample cannot be used; the message says why."""
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """An exception as one line: its message's first line, or its type when the message is empty."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
@@ -96,7 +96,7 @@ def _find_image(sample: Mapping, keys: tuple[str, ...]) -> tuple[str, bytes]:
     raise SampleError(f"no image field ({'; '.join(keys)}) among fields: {', '.join(fields) or 'none'}")
 
 
-def _extension(field_name: str) -> str:
+def image_extension(field_name: str) -> str:
     """The format a field's name implies: its last extension (``seg.png`` -> ``png``)."""
     return field_name.rpartition(".")[2]
 
@@ -125,7 +125,7 @@ def _read_binary_pnm(data: bytes) -> np.ndarray | None:
 
 
 def _route_image(field_name: str, channels: int) -> str:
-    extension = _extension(field_name)
+    extension = image_extension(field_name)
     if extension == _RAW_EXTENSION:
         return _RAW
     if extension in _PNM_EXTENSIONS:
@@ -267,7 +267,7 @@ class ImageDecoder:
         except SampleError:
             raise
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, ... for bad data
-            reason = _first_line(fast_error if fast_error is not None else exc)
+            reason = first_line(fast_error if fast_error is not None else exc)
             raise SampleError(f"cannot decode {field_name}: {reason}") from None
         return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
@@ -294,7 +294,7 @@ class ImageDecoder:
         try:
             value = json.loads(data)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise SampleError(f"json member is not JSON: {_first_line(exc)}") from None
+            raise SampleError(f"json member is not JSON: {first_line(exc)}") from None
         for depth, name in enumerate(self._label_path):
             where = ".".join(self._label_path[: depth + 1])
             if isinstance(value, dict) and name in value:
@@ -321,7 +321,7 @@ def read_image_shape(sample: Mapping, image_key: str | None) -> tuple[int, int]:
     (raw pixels carry no size).
     """
     field_name, data = _find_image(sample, _parse_image_key(image_key))
-    if _extension(field_name) == _RAW_EXTENSION:
+    if image_extension(field_name) == _RAW_EXTENSION:
         raise SampleError(
             f"{field_name} holds raw pixels, which carry no image size: give the size explicitly"
         )
@@ -329,10 +329,10 @@ def read_image_shape(sample: Mapping, image_key: str | None) -> tuple[int, int]:
         width, height = Image.open(io.BytesIO(data)).size  # reads the header only
         return height, width
     except Exception as pil_error:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
-        if _extension(field_name) not in _FAST_IMAGE_EXTENSIONS:
-            raise SampleError(f"cannot read {field_name}: {_first_line(pil_error)}") from None
+        if image_extension(field_name) not in _FAST_IMAGE_EXTENSIONS:
+            raise SampleError(f"cannot read {field_name}: {first_line(pil_error)}") from None
     try:
         tensor = _decode_fast_unchanged(data)
     except (RuntimeError, ValueError) as exc:
-        raise SampleError(f"cannot read {field_name}: {_first_line(exc)}") from None
+        raise SampleError(f"cannot read {field_name}: {first_line(exc)}") from None
     return int(tensor.shape[-2]), int(tensor.shape[-1])

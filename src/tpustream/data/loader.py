@@ -18,8 +18,9 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from tpustream.config import LastBatch, OnError
+from tpustream.config import LastBatch, OnError, TrainCrop
 from tpustream.data.augment import draw_crop_flip
+from tpustream.data.crops import CroppingDecoder
 from tpustream.data.decode import ImageDecoder
 from tpustream.data.manifest import ShardManifest
 from tpustream.data.memory import SplitMemory, load_split_memory, read_memory_samples, take_memory_samples
@@ -45,12 +46,13 @@ from tpustream.data.stages import (
 from tpustream.errors import DataError, TpustreamError
 from tpustream.preemption import stop_signals_ignored
 
+SampleDecoder = Callable[[dict], tuple[np.ndarray, int]]
+
 
 class StreamedSamples:
     """Samples read from the shards and decoded in the worker, every epoch."""
 
-    def __init__(self, manifest: ShardManifest, decoder: ImageDecoder):
-        self.decoder = decoder
+    def __init__(self, manifest: ShardManifest):
         self.shard_index = {shard.url: i for i, shard in enumerate(manifest.shards)}
         self.shard_counts = [shard.samples for shard in manifest.shards]
 
@@ -59,8 +61,8 @@ class StreamedSamples:
             read_span_samples, on_error=on_error, shard_index=self.shard_index, shard_counts=self.shard_counts
         )
 
-    def decode(self, on_error: ErrorPolicy) -> Callable[[Iterable], Iterator]:
-        return functools.partial(decode_samples, decoder=self.decoder, on_error=on_error)
+    def decode(self, on_error: ErrorPolicy, decoder: SampleDecoder) -> Callable[[Iterable], Iterator]:
+        return functools.partial(decode_samples, decoder=decoder, on_error=on_error)
 
 
 class MemorySamples:
@@ -76,7 +78,7 @@ class MemorySamples:
     def read(self, on_error: ErrorPolicy) -> Callable[[Iterable[SampleSpan]], Iterator]:
         return functools.partial(read_memory_samples, memory=self.memory, shard_index=self.shard_index)
 
-    def decode(self, on_error: ErrorPolicy) -> Callable[[Iterable], Iterator]:
+    def decode(self, on_error: ErrorPolicy, decoder: SampleDecoder) -> Callable[[Iterable], Iterator]:
         return functools.partial(take_memory_samples, memory=self.memory)
 
 
@@ -89,6 +91,10 @@ class ShardStream(IterableDataset):
 
     in_memory=True reads and decodes the whole split once, at construction,
     into shared memory, and serves the same batches from there.
+
+    train_crop=random_resized crops images of any size to the manifest's
+    (square) image size: random-resized crops and flips for training, drawn
+    per (seed, epoch, sample), the evaluation centre crop otherwise.
     """
 
     def __init__(
@@ -104,7 +110,9 @@ class ShardStream(IterableDataset):
         shuffle_buffer: int = 0,
         last_batch: LastBatch | str = LastBatch.pad,
         on_error: OnError | str = OnError.skip,
+        train_crop: TrainCrop | str = TrainCrop.pad_crop,
         crop_padding: int = 4,
+        eval_crop_ratio: float = 0.875,
         hflip: bool = True,
         in_memory: bool = False,
         image_key: str | None = None,
@@ -122,12 +130,20 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer if train else 0
         self.on_error = OnError(on_error)
         self.stages = list(stages)
+        self.train_crop = TrainCrop(train_crop)
         self.crop_padding = crop_padding
         self.hflip = hflip
+        if manifest.image_size is None:
+            raise ValueError(f"{manifest.split}: images of varying size need train_crop=random_resized")
         height, width = manifest.image_size
         self.decoder = ImageDecoder(
             manifest.channels, height, width, manifest.num_classes, image_key=image_key, label_key=label_key
         )
+        self.crops: CroppingDecoder | None = None
+        if self.train_crop == TrainCrop.random_resized:
+            if in_memory:
+                raise ValueError("in_memory holds decoded images; random_resized crops need the encoded ones")
+            self.crops = CroppingDecoder(self.decoder, train, seed, eval_crop_ratio, hflip)
         # Validation always pads and masks so it covers every sample once.
         self.layout: EpochLayout = plan_layout(
             manifest.num_samples,
@@ -143,9 +159,7 @@ class ShardStream(IterableDataset):
         # than being read by each worker. A bad split under on_error=raise then
         # also stops the run at start-up, before any step is compiled.
         self.samples: StreamedSamples | MemorySamples = (
-            MemorySamples(manifest, self.decoder, self.on_error)
-            if in_memory
-            else StreamedSamples(manifest, self.decoder)
+            MemorySamples(manifest, self.decoder, self.on_error) if in_memory else StreamedSamples(manifest)
         )
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
@@ -204,7 +218,9 @@ class ShardStream(IterableDataset):
         """This worker's stages for the current epoch, as one webdataset pipeline."""
         on_error = ErrorPolicy(self.on_error)
         spans = self.worker_spans(worker, workers)
-        augment_rng = self._rng(worker, 2) if self.train else None
+        # Random-resized crops and their flips are drawn per sample while
+        # decoding; the batch-level pad-crop draws from this worker's stream.
+        augment_rng = self._rng(worker, 2) if self.train and self.crops is None else None
         if augment_rng is not None:
             # Advance past the skipped batches' draws, as augmenting them would have.
             for _ in range(skip):
@@ -221,7 +237,9 @@ class ShardStream(IterableDataset):
                 else None
             ),
             functools.partial(skip_samples, count=skip * self.batch_size),
-            self.samples.decode(on_error),
+            self.samples.decode(
+                on_error, self.crops.for_epoch(self.epoch) if self.crops is not None else self.decoder
+            ),
             functools.partial(apply_user_stages, paths=self.stages, shape=shape) if self.stages else None,
             functools.partial(
                 batch_samples,

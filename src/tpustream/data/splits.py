@@ -42,6 +42,9 @@ class SplitOptions:
     num_classes: int | None = None
     image_size: int | None = None  # square side; None = the manifest's, else the first sample's
     channels: int | None = None  # None = the manifest's, else 3
+    # Images are cropped to image_size (data.train_crop=random_resized): any
+    # stored size will do, and image_size is the crops' size, not the stored one.
+    crop: bool = False
     allow_counting: bool = True  # data.index=auto
     output_dir: str | None = None  # where an index goes when the shards' folder is read-only
     progress: bool = True
@@ -242,21 +245,41 @@ def _describe_images(
             f"{name}: the shards have no tpustream manifest naming their classes; set data.num_classes"
         )
     channels = options.channels or (first.channels if first else 3)
-    if options.image_size is not None:
+    stored = first.image_size if first is not None else None
+    if options.crop:
+        # The stored sizes do not matter: every image is cropped to image_size.
+        if options.image_size is not None:
+            image_size = (options.image_size, options.image_size)
+        elif stored is not None and stored[0] == stored[1]:
+            image_size = stored
+        else:
+            raise ConfigError(f"{name}: set data.image_size, the side of the square crops")
+        image_format = first.image_format if first else (options.image_key or "")
+    elif first is not None and stored is None:
+        # Images of many sizes, not cropped: fine for tools; training refuses
+        # it (launch.checks.check_data) since one graph needs one shape.
+        image_size, image_format = None, first.image_format
+    elif options.image_size is not None:
         image_size = (options.image_size, options.image_size)
-        if first is not None and first.image_size != image_size:
+        if first is not None and stored != image_size:
             raise ConfigError(
                 f"data.image_size={options.image_size}, but the manifest of {name} says its images are "
-                f"{first.image_size[0]}x{first.image_size[1]}"
+                f"{stored[0]}x{stored[1]}"
             )
         image_format = first.image_format if first else (options.image_key or "")
     elif first is not None:
-        image_size, image_format = first.image_size, first.image_format
+        image_size, image_format = stored, first.image_format
     else:
         image_size, image_format = _first_image_shape(shards, options.image_key, name)
         log.info("%s: images are %dx%d (%s), from the first sample", name, *image_size, image_format)
     return ShardManifest(
-        split or (first.split if first else ""), classes, image_size, channels, image_format, shards
+        split or (first.split if first else ""),
+        classes,
+        image_size,
+        channels,
+        image_format,
+        shards,
+        size_stats=first.size_stats if first else None,
     )
 
 

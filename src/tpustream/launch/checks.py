@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tpustream import storage
-from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig
+from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig, TrainCrop
 from tpustream.data.decode import check_image_key, check_label_key
 from tpustream.data.manifest import ShardManifest
 from tpustream.data.sharding import plan_layout
@@ -172,6 +172,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("optim.weight_decay and optim.momentum must be >= 0")
     if optim.warmup_epochs < 0 or not 0 <= optim.min_lr_ratio <= 1:
         raise ConfigError("optim.warmup_epochs must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    if not optim.decay_every_epochs > 0 or not 0 < optim.decay_factor <= 1:
+        raise ConfigError(
+            f"optim.decay_every_epochs must be > 0 and optim.decay_factor in (0, 1], got "
+            f"{optim.decay_every_epochs} and {optim.decay_factor}"
+        )
     if cfg.seed < 0:
         raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {cfg.seed}")
     if not 0 <= cfg.data.max_bad_fraction <= 1:
@@ -242,6 +247,13 @@ def check_data_keys(cfg: TrainConfig) -> None:
         value = getattr(data, name)
         if value is not None and value < 1:
             raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
+    if not 0.0 < data.eval_crop_ratio <= 1.0:
+        raise ConfigError(f"data.eval_crop_ratio must be in (0, 1], got {data.eval_crop_ratio}")
+    if data.train_crop == TrainCrop.random_resized and data.in_memory:
+        raise ConfigError(
+            "data.in_memory holds decoded images of one size; data.train_crop=random_resized "
+            "crops every epoch anew from the encoded images: use one or the other"
+        )
     for path in data.stages:
         load_user_stage(path)
 
@@ -253,6 +265,7 @@ def split_options(cfg: TrainConfig) -> SplitOptions:
         num_classes=data.num_classes,
         image_size=data.image_size,
         channels=data.channels,
+        crop=data.train_crop == TrainCrop.random_resized,
         allow_counting=data.index == IndexMode.auto,
         output_dir=cfg.output_dir,
     )
@@ -260,6 +273,12 @@ def split_options(cfg: TrainConfig) -> SplitOptions:
 
 def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
     """Checks of the data against the config; world_size None = not known before spawn."""
+    for manifest, key in ((train, "train_shards"), (val, "val_shards")):
+        if manifest.image_size is None:
+            raise ConfigError(
+                f"data.{key}: the manifest says its images vary in size; train on them with "
+                "data.train_crop=random_resized (and data.image_size, the crops' side)"
+            )
     if train.image_size != val.image_size or train.channels != val.channels:
         raise ConfigError(
             f"train images are {train.channels}x{train.image_size}, validation images "
