@@ -14,6 +14,7 @@ from tpustream.checkpoint import (
     LAST,
     CheckpointError,
     checkpoint_url,
+    config_differences,
     config_fingerprint,
     encode_checkpoint,
     load_checkpoint,
@@ -181,3 +182,14 @@ def test_config_fingerprint_ignores_what_a_resumed_run_may_change():
     )
     assert config_fingerprint(base) != config_fingerprint({**base, "micro_batches": 2})
     assert config_fingerprint(base) != config_fingerprint({**base, "optim": {"lr": 0.2}})
+
+
+def test_config_differences_name_dotted_keys_outside_the_ignored_ones():
+    saved = {"epochs": 10, "optim": {"lr": 0.1, "momentum": 0.9}, "accelerator": {"num_devices": 1}}
+    saved["seed"] = 0
+    current = {"epochs": 20, "optim": {"lr": 0.2, "momentum": 0.9}, "accelerator": {"num_devices": 4}}
+    assert config_differences(saved, current, ("epochs", "accelerator")) == [
+        "optim.lr: 0.1 -> 0.2",
+        "seed: 0 -> (unset)",
+    ]
+    assert config_differences(saved, saved) == []

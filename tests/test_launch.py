@@ -160,3 +160,28 @@ def test_one_bad_job_of_a_multirun_does_not_stop_the_others(digits_root, tmp_pat
     output = result.stdout + result.stderr
     assert output.count("seed must be >= 0") >= 2  # the second job ran after the first failed
     assert "2 job(s) of the multirun failed: job 0: seed must be >= 0" in result.stderr
+
+
+def test_a_run_folder_continued_under_another_config_is_refused_naming_the_keys(prepared, tmp_path, caplog):
+    from tpustream import storage
+    from tpustream.checkpoint import encode_checkpoint
+    from tpustream.models import create_model
+
+    out = str(tmp_path / "run")
+    made = prepared(f"output_dir={out}", "optim.lr=0.05")
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
+    storage.write_bytes(
+        f"{out}/checkpoints/last.pt", encode_checkpoint({"model": weights, "config": made.config_dict})
+    )
+    # Where and on what it runs, and longer: the same run, continued.
+    prepared(f"output_dir={out}", "resume=auto", "optim.lr=0.05", "epochs=30", "data.num_workers=0")
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run made with another config \(batch_size: 64 -> 32; "
+        r"optim.lr: 0.05 -> 0.1\): choose another output_dir, or set resume=force",
+    ):
+        prepared(f"output_dir={out}", "resume=auto", "batch_size=32")
+    assert prepared(f"output_dir={out}", "resume=force").resume_url.endswith("/checkpoints/last.pt")
+    caplog.clear()
+    prepared(f"output_dir={tmp_path}/new", f"resume={out}/checkpoints/last.pt")  # named: fine-tuning
+    assert "written with another config (optim.lr: 0.05 -> 0.1)" in caplog.text

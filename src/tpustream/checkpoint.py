@@ -55,6 +55,46 @@ FINGERPRINT_IGNORES = (
 )
 
 
+# Keys that may also differ when a run folder is continued with resume=auto:
+# where and on what it runs, and how its input is fed, none of which changes
+# what is trained (another replica count or batch plan restarts the epoch).
+RESUME_MAY_DIFFER = (
+    *FINGERPRINT_IGNORES,
+    "accelerator",
+    "checkpoint",
+    "log_steps",
+    "data.num_workers",
+    "data.prefetch_factor",
+)
+FORCE_RESUME = "force"
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def config_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], ignore: tuple[str, ...] = FINGERPRINT_IGNORES
+) -> list[str]:
+    """The dotted keys whose values differ, as "key: saved -> current", leaving out `ignore` (and below)."""
+    old, new = _flatten(saved), _flatten(current)
+    differences = []
+    for key in sorted(set(old) | set(new)):
+        if any(key == name or key.startswith(f"{name}.") for name in ignore):
+            continue
+        before, after = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if before != after:
+            differences.append(f"{key}: {before} -> {after}")
+    return differences
+
+
 class CheckpointError(ConfigError):
     """A checkpoint exists but cannot be used (damaged, foreign, or another version)."""
 
@@ -169,15 +209,16 @@ def find_resume(resume: str | None, output_dir: str) -> tuple[str, dict[str, Any
 
     The state is returned because reading it is how it is verified: callers
     that need its contents (the pre-spawn shape check) do not read it again.
-    "auto" continues from output_dir's last.pt; if that is damaged it says
-    so and uses best.pt. If checkpoints are there but none is usable, that is
-    an error, not a fresh start: the new run would overwrite them and the
-    user would lose whatever a repair could still save.
+    "auto" (and "force", which the caller lets continue under another config)
+    continues from output_dir's last.pt; if that is damaged it says so and
+    uses best.pt. If checkpoints are there but none is usable, that is an
+    error, not a fresh start: the new run would overwrite them and the user
+    would lose whatever a repair could still save.
     An explicit path or URL must be a valid checkpoint.
     """
     if resume is None or resume == "":
         return None
-    if resume != "auto":
+    if resume not in ("auto", FORCE_RESUME):
         url = storage.absolute(resume)
         if not storage.exists(url):
             raise ConfigError(f"resume={resume}: no checkpoint at {url}")
@@ -190,15 +231,15 @@ def find_resume(resume: str | None, output_dir: str) -> tuple[str, dict[str, Any
         try:
             state = load_checkpoint(url)
         except CheckpointError as exc:
-            log.error("resume=auto: %s; trying the next checkpoint", exc)
+            log.error("resume=%s: %s; trying the next checkpoint", resume, exc)
             damaged.append(str(exc))
             continue
         if damaged:
-            log.warning("resume=auto: continuing from %s instead", url)
+            log.warning("resume=%s: continuing from %s instead", resume, url)
         return url, state
     if damaged:
         raise ConfigError(
-            f"resume=auto: no usable checkpoint in {output_dir}/checkpoints ({'; '.join(damaged)}); "
+            f"resume={resume}: no usable checkpoint in {output_dir}/checkpoints ({'; '.join(damaged)}); "
             "move them away to keep them, or set resume=null to start fresh and overwrite them"
         )
     return None

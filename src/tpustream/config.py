@@ -256,8 +256,9 @@ class TrainConfig:
     # Local folder for per-replica log files (Hydra's run folder by default).
     log_dir: str | None = None
     # null: start fresh; "auto": continue from output_dir's checkpoints/last.pt if it
-    # is there (or best.pt if last.pt is damaged);
-    # otherwise a checkpoint path or gs:// URL to continue from.
+    # is there (or best.pt if last.pt is damaged), refusing if that run's config
+    # differs (the error names the keys); "force": the same, accepting the
+    # difference; otherwise a checkpoint path or gs:// URL to continue from.
     resume: str | None = "auto"
     # Evaluate every this many epochs and after the last one (0 = never: no
     # best.pt, last.pt only).

@@ -334,8 +334,6 @@ class Trainer:
         self.best_epoch = int(state["best_epoch"])
         self.history = list(state["history"])
         self._set_rng_states(state["rng"])
-        if state["config_fingerprint"] != checkpoint.config_fingerprint(self.config_dict):
-            log.warning("%s was written with a different config; continuing with the current one", source)
         if 0 < self.step < self.steps_per_epoch and state["data_plan"] != self.data_plan():
             # The sample order of an epoch depends on replicas x workers x batch:
             # a position inside it means nothing under another plan.

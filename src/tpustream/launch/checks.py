@@ -9,6 +9,7 @@ all-reduce for the one that failed).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import typing
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tpustream import storage
+from tpustream.checkpoint import RESUME_MAY_DIFFER, config_differences
 from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig, TrainCrop
 from tpustream.data.decode import check_image_key, check_label_key
 from tpustream.data.manifest import ShardManifest
@@ -27,8 +29,12 @@ from tpustream.data.stages import load_user_stage
 from tpustream.errors import ConfigError, StorageError
 from tpustream.models import check_model_options
 
+log = logging.getLogger(__name__)
+
 # The upstream bug that makes multi-device XLA:CPU unusable for training.
 CPU_COLLECTIVES_BUG = "https://github.com/pytorch/xla/issues/9089"
+# Differing keys named in the error when a run folder is continued under another config.
+MAX_SHOWN_DIFFERENCES = 8
 # Free-form mappings inside the typed config: their keys are not the schema's.
 FREE_FORM_KEYS = ("model.options",)
 
@@ -347,3 +353,29 @@ def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, A
         f"resume from {source}: the checkpoint holds another model than model={cfg.model.name} with "
         f"{train.num_classes} classes ({detail}); use another output_dir, or resume=null to start fresh"
     )
+
+
+def check_resume_config(
+    cfg: TrainConfig, config: dict[str, Any], saved: dict[str, Any] | None, source: str
+) -> None:
+    """A run folder continued under another config: refused under resume=auto, naming the keys.
+
+    Rerunning a folder with changed settings would otherwise continue (or, if
+    it had finished, merely re-report) the earlier run as if it were this one.
+    resume=force continues anyway; a checkpoint named explicitly (resume=URL,
+    e.g. to fine-tune) and eval_only only warn.
+    """
+    if saved is None:
+        return
+    differences = config_differences(saved, config, RESUME_MAY_DIFFER)
+    if not differences:
+        return
+    shown = "; ".join(differences[:MAX_SHOWN_DIFFERENCES])
+    if len(differences) > MAX_SHOWN_DIFFERENCES:
+        shown += f"; and {len(differences) - MAX_SHOWN_DIFFERENCES} more"
+    if cfg.resume == "auto" and not cfg.eval_only:
+        raise ConfigError(
+            f"output_dir {cfg.output_dir} holds a run made with another config ({shown}): choose another "
+            "output_dir, or set resume=force to continue that run with this config"
+        )
+    log.warning("%s was written with another config (%s); continuing with this one", source, shown)

@@ -32,6 +32,7 @@ from tpustream.launch.checks import (
     check_config,
     check_data,
     check_environment,
+    check_resume_config,
     check_resume_fits,
     check_run_folders,
     known_world_size,
@@ -67,6 +68,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     options = split_options(typed)
     train = load_split(typed.data.train_shards, "train", options)
     val = load_split(typed.data.val_shards, "validation", options)
+    check_data(typed, train, val, known_world_size(typed))
     for manifest in (train, val):
         log.info(
             "%s: %d samples in %d shard(s), %dx%d images; counts from %s",
@@ -76,12 +78,12 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             *manifest.image_size,
             manifest.counts_from,
         )
-    check_data(typed, train, val, known_world_size(typed))
     resume_url = None
     resume = find_resume(typed.resume, typed.output_dir)
     if resume is not None:
         resume_url, state = resume
         check_resume_fits(typed, train, state, resume_url)
+        check_resume_config(typed, plain, state.get("config"), resume_url)
         del state, resume  # the checkpoint's tensors: each replica reads its own copy
     if typed.eval_only and resume_url is None:
         raise ConfigError(
