@@ -791,10 +791,10 @@ def test_unreadable_images_are_skipped_in_worker_processes(tmp_path, capsys, cap
 
 
 def test_ctrl_c_keeps_written_shards_and_writes_no_manifest(tmp_path, monkeypatch, capsys):
-    from tpustream.data import make_shards
+    from tpustream.data import shard_writer
 
     calls = []
-    original = make_shards.ShardTask.run
+    original = shard_writer.ShardTask.run
 
     def interrupt_second_shard(self):
         calls.append(self.url)
@@ -802,7 +802,7 @@ def test_ctrl_c_keeps_written_shards_and_writes_no_manifest(tmp_path, monkeypatc
             raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(make_shards.ShardTask, "run", interrupt_second_shard)
+    monkeypatch.setattr(shard_writer.ShardTask, "run", interrupt_second_shard)
     out = tmp_path / "out"
     assert run("digits", str(out)) == 130
     assert capsys.readouterr().err.strip() == (
@@ -899,10 +899,10 @@ def test_interrupted_rerun_with_other_settings_leaves_no_stale_manifest(tmp_path
     manifest_url = storage.join(out, "train", MANIFEST_NAME)
     assert storage.exists(manifest_url)
 
-    from tpustream.data import make_shards
+    from tpustream.data import shard_writer
 
     calls = []
-    original = make_shards.ShardTask.run
+    original = shard_writer.ShardTask.run
 
     def fail_on_second_shard(self):
         calls.append(self.url)
@@ -910,10 +910,10 @@ def test_interrupted_rerun_with_other_settings_leaves_no_stale_manifest(tmp_path
             raise KeyboardInterrupt  # the user stops the rerun half-way
         return original(self)
 
-    monkeypatch.setattr(make_shards.ShardTask, "run", fail_on_second_shard)
+    monkeypatch.setattr(shard_writer.ShardTask, "run", fail_on_second_shard)
     assert run("digits", out, "--samples-per-shard", "300") == 130
     # The old manifest (500 per shard) would now lie about the rewritten shards.
     assert not storage.exists(manifest_url)
-    monkeypatch.setattr(make_shards.ShardTask, "run", original)
+    monkeypatch.setattr(shard_writer.ShardTask, "run", original)
     assert run("digits", out, "--samples-per-shard", "300") == 0
     assert [s.samples for s in load_manifest(storage.join(out, "train")).shards] == [300, 300, 300, 300, 238]
