@@ -121,6 +121,26 @@ def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, 
     assert not storage.exists(f"{digits_bucket}/runs/broken/checkpoints/last.pt")
 
 
+def test_a_split_of_unreadable_shards_stops_the_run_naming_them(digits_root, tmp_path):
+    """on_error=skip fills bad data's places, but training on fill is not training: past the limit, stop."""
+    import shutil
+
+    root = tmp_path / "digits"
+    shutil.copytree(digits_root, root)
+    for shard in sorted((root / "train").glob("*.tar")):
+        shard.write_bytes(b"\0not a tar" * 100)
+    run = str(tmp_path / "run")
+    result = run_train(f"data.root={root}", f"output_dir={run}", "epochs=1", f"hydra.run.dir={tmp_path}/h")
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert re.search(
+        r"train: 1472 of 1472 samples \(100.0%\) were bad or missing in epoch 0, over "
+        rf"data.max_bad_fraction=0.01 \(first in {root}/train/train-00000\d.tar, ",
+        output,
+    ), output[-3000:]
+    assert not os.path.exists(f"{run}/checkpoints/best.pt")
+
+
 def test_replicas_do_not_outlive_a_killed_train_py(digits_root, tmp_path):
     command = train_command(
         f"data.root={digits_root}", f"output_dir={tmp_path}/run", "epochs=50", f"hydra.run.dir={tmp_path}/h"

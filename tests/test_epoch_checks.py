@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tpustream.epoch_checks import check_epoch
+from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.errors import DataError
 
 GOOD = {
@@ -42,6 +42,13 @@ def test_a_healthy_epoch_passes_and_unevaluated_validation_is_not_checked():
 def test_bad_data_past_the_limit_and_a_nonfinite_loss_stop_the_run(changes, message):
     with pytest.raises(DataError, match=message):
         check_epoch(3, {**GOOD, **changes}, 0.01, True)
+
+
+def test_the_error_names_the_first_bad_shards():
+    shards = {"train": ["gs://b/train-000004.tar", "gs://b/train-000009.tar"], "validation": []}
+    with pytest.raises(DataError, match=r"\(first in gs://b/train-000004.tar, gs://b/train-000009.tar; the"):
+        check_epoch(3, {**GOOD, "train_filled": 500}, 0.01, True, shards)
+    assert first_distinct(["a", "b", "a", "c", "d"]) == ["a", "b", "c"]
 
 
 def test_the_limits_are_settings():

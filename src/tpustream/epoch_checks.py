@@ -7,28 +7,44 @@ same error at the same point and none is left waiting in a collective.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tpustream.errors import DataError
 
 SPLITS = (("train", "train_samples", "train_filled"), ("validation", "val_samples", "val_filled"))
+# Shards named in the error (the replicas' warnings name every bad sample).
+NAMED_SHARDS = 3
+
+
+def first_distinct(urls: Iterable[str], limit: int = NAMED_SHARDS) -> list[str]:
+    """The first `limit` distinct URLs, in order."""
+    return list(dict.fromkeys(urls))[:limit]
 
 
 def check_epoch(
-    epoch: int, metrics: Mapping[str, Any], max_bad_fraction: float, stop_on_nonfinite_loss: bool
+    epoch: int,
+    metrics: Mapping[str, Any],
+    max_bad_fraction: float,
+    stop_on_nonfinite_loss: bool,
+    bad_shards: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
-    """DataError if too much of a split was bad or missing, or if the loss is not finite."""
+    """DataError if too much of a split was bad or missing, or if the loss is not finite.
+
+    bad_shards: per split, the first shards where bad data was met (named in the error).
+    """
     for split, real_key, filled_key in SPLITS:
         if real_key not in metrics:
             continue  # not evaluated this epoch
         filled, real = int(metrics[filled_key]), int(metrics[real_key])
         planned = filled + real
         if planned and filled / planned > max_bad_fraction:
+            shards = list((bad_shards or {}).get(split, ()))
+            where = f"first in {', '.join(shards)}; " if shards else ""
             raise DataError(
                 f"{split}: {filled} of {planned} samples ({100 * filled / planned:.1f}%) were bad or missing "
-                f"in epoch {epoch}, over data.max_bad_fraction={max_bad_fraction:g}; the replicas' "
-                "'skipping bad data' warnings name each shard and sample (raise the limit to train anyway)"
+                f"in epoch {epoch}, over data.max_bad_fraction={max_bad_fraction:g} ({where}the replicas' "
+                "'skipping bad data' warnings name each sample; raise the limit to train anyway)"
             )
     if stop_on_nonfinite_loss:
         for key in ("train_loss", "val_loss"):

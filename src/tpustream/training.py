@@ -31,7 +31,7 @@ from tpustream import checkpoint, observe, preemption
 from tpustream.config import OptimizerName, Precision, Schedule, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
 from tpustream.data.loader import CountingLoader
-from tpustream.epoch_checks import check_epoch
+from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 
@@ -240,6 +240,8 @@ class Trainer:
         self.started_at = started_at
         self.setup_seconds: float | None = None
         self.replica_rates: list[float] = []
+        # The first shards with bad data in the last pass of each split, over all replicas.
+        self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
         self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
         self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
         # What this process has run at least once (training, evaluation, an
@@ -520,9 +522,11 @@ class Trainer:
         seconds = time.time() - start + previous_seconds
         loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
         per_replica = self.runtime.all_gather_host(
-            f"train-epoch-{epoch}", (tracker.global_rate(), self.train_loader.filled)
+            f"train-epoch-{epoch}",
+            (tracker.global_rate(), self.train_loader.filled, self.train_loader.bad_shards),
         )
-        self.replica_rates = [rate for rate, _ in per_replica]
+        self.replica_rates = [rate for rate, _, _ in per_replica]
+        self.bad_shards["train"] = first_distinct(url for _, _, urls in per_replica for url in urls)
         count = int(count.item())
         self.partial = None
         self.step = self.steps_per_epoch
@@ -532,7 +536,7 @@ class Trainer:
             "replica_steps": self.steps_per_epoch,
             "train_seconds": seconds,
             "global_rate": sum(self.replica_rates),
-            "train_filled": sum(filled for _, filled in per_replica) + previous_filled,
+            "train_filled": sum(filled for _, filled, _ in per_replica) + previous_filled,
             "lr": self.schedule(self.global_step - 1),
         }
 
@@ -629,7 +633,11 @@ class Trainer:
                 raise preemption.Preempted(f"stopped while evaluating epoch {epoch}")
         self.val_loader.raise_if_incomplete("validation")
         correct, count, loss_sum = self.runtime.all_reduce_sum([correct, count, loss_sum])
-        (filled,) = self.runtime.reduce_host_sum(f"eval-epoch-{epoch}", [self.val_loader.filled])
+        per_replica = self.runtime.all_gather_host(
+            f"eval-epoch-{epoch}", (self.val_loader.filled, self.val_loader.bad_shards)
+        )
+        filled = sum(replica_filled for replica_filled, _ in per_replica)
+        self.bad_shards["validation"] = first_distinct(url for _, urls in per_replica for url in urls)
         correct, count = int(correct.item()), int(count.item())
         return {
             "val_accuracy": correct / max(count, 1),
@@ -642,7 +650,9 @@ class Trainer:
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Record metrics; the master writes best.pt on improvement and last.pt always."""
-        check_epoch(epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss)
+        check_epoch(
+            epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss, self.bad_shards
+        )
         evaluated = "val_accuracy" in metrics
         improved = evaluated and metrics["val_accuracy"] > self.best_accuracy
         if improved:

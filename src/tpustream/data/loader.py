@@ -248,9 +248,17 @@ class ShardStream(IterableDataset):
                 shape=shape,
             ),
             functools.partial(
-                augment_batches, rng=augment_rng, crop_padding=self.crop_padding, hflip=self.hflip
+                augment_batches,
+                rng=augment_rng,
+                crop_padding=self.crop_padding,
+                hflip=self.hflip,
+                on_error=on_error,
             ),
         )
+
+
+# Shards with bad data each replica remembers per pass, for the error that names them.
+MAX_BAD_SHARDS = 3
 
 
 class CountingLoader:
@@ -271,6 +279,7 @@ class CountingLoader:
         self.filled = 0
         self.batches = 0
         self.sample_ids: list[np.ndarray] = []
+        self.bad_shards: list[str] = []  # this pass's shards with bad data, first MAX_BAD_SHARDS
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -278,9 +287,13 @@ class CountingLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.filled = self.batches = 0
         self.sample_ids = []
+        self.bad_shards = []
         try:
             for batch in self.loader:
                 self.filled += int(batch.pop("filled"))
+                for url in batch.pop("bad_shards", ()):
+                    if len(self.bad_shards) < MAX_BAD_SHARDS and url not in self.bad_shards:
+                        self.bad_shards.append(url)
                 ids = batch.pop("sample_id")
                 if self.record_ids:
                     self.sample_ids.append(ids[batch["real"] > 0].numpy())

@@ -44,16 +44,25 @@ class ErrorPolicy:
             raise ValueError(f"data.on_error must be one of {choices}, got {mode!r}") from None
         self.logged = 0
         self._surplus_reported: set[str] = set()
+        self._bad_shards: dict[str, None] = {}  # in order of first fault
+        self._bad_shards_taken = 0
 
     def __call__(self, url: str, key: str | None, reason: str) -> None:
         where = f"{url} sample {key}" if key else url
         if self.mode == OnError["raise"]:
             raise DataError(f"{where}: {reason}")
+        self._bad_shards.setdefault(url)
         if self.logged < MAX_LOGGED_ERRORS:
             log.warning("skipping bad data: %s: %s", where, reason)
         elif self.logged == MAX_LOGGED_ERRORS:
             log.warning("more bad samples in this worker; counting without logging")
         self.logged += 1
+
+    def take_bad_shards(self) -> list[str]:
+        """The shards with bad data first seen since the last call (for the error that names them)."""
+        shards = list(self._bad_shards)[self._bad_shards_taken :]
+        self._bad_shards_taken += len(shards)
+        return shards
 
     def surplus(self, url: str, listed: int) -> None:
         """A shard holds more samples than its count: the extra ones are never used (warned once)."""
@@ -292,11 +301,17 @@ def batch_samples(
 
 
 def augment_batches(
-    batches: Iterable[Batch], rng: np.random.Generator | None, crop_padding: int, hflip: bool
-) -> Iterator[dict[str, torch.Tensor]]:
+    batches: Iterable[Batch],
+    rng: np.random.Generator | None,
+    crop_padding: int,
+    hflip: bool,
+    on_error: ErrorPolicy | None = None,
+) -> Iterator[dict[str, torch.Tensor | list[str]]]:
     """Augment (when rng is given, i.e. training) and wrap each batch as tensors.
 
-    Images stay uint8: the trainer normalises them on the device.
+    Images stay uint8: the trainer normalises them on the device. With
+    on_error, "bad_shards" lists the shards whose bad data was first met since
+    the previous batch (host-only, like "filled" and "sample_id").
     """
     for batch in batches:
         images = batch.images
@@ -308,4 +323,5 @@ def augment_batches(
             "real": torch.from_numpy(batch.real.astype(np.float32)),
             "filled": torch.tensor(batch.filled, dtype=torch.int64),
             "sample_id": torch.from_numpy(batch.sample_ids),
+            "bad_shards": on_error.take_bad_shards() if on_error is not None else [],
         }
