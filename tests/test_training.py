@@ -19,14 +19,14 @@ from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import PREEMPTED_EXIT_CODE
 from tpustream.models import create_model
-from tpustream.training import (
+from tpustream.training.optim import (
     LRSchedule,
-    RateTracker,
     build_optimizer,
     peak_learning_rate,
     prime_optimizer_state,
     xla_safe_scalar,
 )
+from tpustream.training.trainer import RateTracker
 
 
 def test_xla_safe_scalar_moves_only_special_values():

@@ -4,22 +4,19 @@ Built once per replica. The step function touches only device tensors; the
 loss is read on the host only at logging steps (through a step closure, after
 the step has run) and metrics are reduced once per epoch. Subclasses change
 one hook (``wrap_model``, ``run_optimizer``, ``model_and_optimizer_state``, ...) to make a
-variant: ``FsdpTrainer`` is the fully sharded one (``strategy=fsdp``).
+variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=fsdp``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
-import math
 import os
 import random
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,65 +25,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpustream import checkpoint, observe, preemption
-from tpustream.config import OptimizerName, Precision, Schedule, Strategy, TrainConfig
+from tpustream.config import Precision, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
 from tpustream.data.loader import CountingLoader
 from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
+from tpustream.training.optim import LRSchedule, build_optimizer, peak_learning_rate, prime_optimizer_state
 
-log = logging.getLogger(__name__)
-
-
-def xla_safe_scalar(value: float) -> float:
-    """Nudge 0.0 and 1.0 off their exact values.
-
-    torch_xla bakes these "special" scalars into the graph as constants while
-    every other Python scalar is fed as data, so a learning rate that passes
-    through exactly 0 or 1 compiles a new graph (measured: one extra compile
-    each). One ulp is no numerical change.
-    """
-    if value == 0.0:
-        return 1e-30
-    if value == 1.0:
-        return math.nextafter(1.0, 0.0)
-    return value
-
-
-@dataclass
-class LRSchedule:
-    """Linear warmup to the peak, then cosine decay, step decay or constant; per step."""
-
-    peak: float
-    warmup_steps: int
-    total_steps: int
-    kind: Schedule
-    min_ratio: float = 0.0
-    # Schedule.step: the peak times decay_factor ** (step // decay_every_steps).
-    decay_every_steps: int = 1
-    decay_factor: float = 1.0
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            factor = (step + 1) / self.warmup_steps
-        elif self.kind == Schedule.step:
-            # Counted from step 0, warmup included, as pytorch/xla's
-            # WarmupAndExponentialDecayScheduler (test/schedulers.py) counts epochs.
-            factor = max(self.min_ratio, self.decay_factor ** (step // self.decay_every_steps))
-        elif self.kind == Schedule.constant or self.total_steps <= self.warmup_steps:
-            factor = 1.0
-        else:
-            progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
-            factor = self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return xla_safe_scalar(self.peak * factor)
-
-
-def peak_learning_rate(cfg: TrainConfig, world_size: int) -> float:
-    """optim.lr, scaled linearly to the global batch when optim.reference_batch_size is set."""
-    reference = cfg.optim.reference_batch_size
-    if not reference:
-        return cfg.optim.lr
-    return cfg.optim.lr * cfg.batch_size * world_size / reference
+# The package's name, not this module's: log lines read "tpustream.training" as
+# they did before training/ was split (tests and the README match it).
+log = logging.getLogger("tpustream.training")
 
 
 class RateTracker:
@@ -120,52 +69,6 @@ class RateTracker:
     def global_rate(self) -> float:
         elapsed = time.time() - self.start
         return (self.total + self.pending) / elapsed if elapsed > 0 else 0.0
-
-
-def original_ndim(param: torch.Tensor) -> int:
-    """Dimensions of a parameter as the model defined it (FSDP shards are flat; they keep the size)."""
-    return len(getattr(param, "_orig_size", param.shape))
-
-
-def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    o = cfg.optim
-    # No weight decay on BatchNorm and bias parameters (standard for ResNets).
-    decay = [p for p in model.parameters() if original_ndim(p) > 1]
-    no_decay = [p for p in model.parameters() if original_ndim(p) <= 1]
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    if o.name == OptimizerName.sgd:
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
-    return torch.optim.AdamW(groups, lr=o.lr)
-
-
-def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer state that torch creates lazily at the first step.
-
-    Lazy creation makes the first step a different graph from every later
-    one, i.e. one more compilation of the largest graph (minutes for a
-    ResNet-50 on TPU). Zero state gives the same update as lazy state: SGD's
-    buffer becomes 0 * momentum + grad = grad, Adam's moments start at 0.
-    Zeros are made on the host: zeros made on the device would be constants
-    in the first graph, not data, and change its hash all the same.
-    """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state[param]
-            if state:
-                continue
-
-            def zeros(p=param):
-                return torch.zeros(p.shape, dtype=p.dtype).to(p.device)
-
-            if isinstance(optimizer, torch.optim.SGD) and group["momentum"] > 0:
-                state["momentum_buffer"] = zeros()
-            elif isinstance(optimizer, torch.optim.AdamW):
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = zeros()
-                state["exp_avg_sq"] = zeros()
 
 
 # (verified checkpoint state, where it was read from)
@@ -786,88 +689,3 @@ class Trainer:
             if patience and evaluated and epoch - self.best_epoch >= patience:
                 log.info("early stop: no better accuracy for %d epoch(s)", patience)
                 break
-
-
-class FsdpTrainer(Trainer):
-    """strategy=fsdp: torch_xla's FSDP shards parameters, gradients and optimizer state over replicas.
-
-    Checkpoints hold the whole model, consolidated on the master (best.pt loads
-    into the plain model, and resumes under any strategy or world size), and
-    every replica's optimizer shard, used when resuming at the same world size.
-    """
-
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
-        from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
-
-        minimum = self.cfg.fsdp_wrap_min_params
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=minimum) if minimum else None
-        # flatten_parameters=False: one shard per parameter, which keeps its
-        # original size, so build_optimizer can still leave norms and biases
-        # out of weight decay.
-        wrapped = XlaFullyShardedDataParallel(model, flatten_parameters=False, auto_wrap_policy=policy)
-        if self.runtime.is_master:
-            units = sum(isinstance(m, XlaFullyShardedDataParallel) for m in wrapped.modules())
-            log.info(
-                "strategy=fsdp: FSDP units: %d (submodules of %d+ parameters, and the rest), "
-                "parameters sharded over %d replica(s)",
-                units,
-                minimum,
-                self.runtime.world_size,
-            )
-        return wrapped
-
-    def run_optimizer(self) -> None:
-        # FSDP reduce-scattered and averaged the gradient shards in backward;
-        # xm.optimizer_step would all-reduce them once more.
-        self.optimizer.step()
-
-    def model_and_optimizer_state(self) -> tuple[Any, Any]:
-        from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
-
-        shards = self.runtime.gather_state_to_master(
-            f"fsdp-state-{self.global_step}-{self.step}",
-            {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-        )
-        if shards is None:  # not the master
-            return None, None
-        model = consolidate_sharded_state_dicts([s["model"] for s in shards], self.model.get_shard_metadata())
-        optimizer = {
-            "world_size": self.runtime.world_size,
-            "layout": self.shard_layout(),
-            "shards": [s["optimizer"] for s in shards],
-        }
-        return dict(model), optimizer
-
-    def shard_layout(self) -> list[str]:
-        """The sharded parameters in optimizer order: optimizer shards fit only the same layout."""
-        return [name for name, _ in self.model.named_parameters()]
-
-    def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
-        saved = state["optimizer"]
-        fits = (
-            state.get("strategy") == Strategy.fsdp.value
-            and saved["world_size"] == self.runtime.world_size
-            and saved["layout"] == self.shard_layout()
-        )
-        if not fits:
-            log.warning(
-                "%s holds the optimizer state of strategy=%s on %s replica(s), sharded another way or "
-                "for another world size; this run is fsdp on %d with fsdp_wrap_min_params=%d, so the "
-                "optimizer starts fresh (model weights and training position are restored)",
-                source,
-                state.get("strategy"),
-                saved.get("world_size", "any"),
-                self.runtime.world_size,
-                self.cfg.fsdp_wrap_min_params,
-            )
-            return
-        self.optimizer.load_state_dict(saved["shards"][self.runtime.rank])
-
-
-TRAINERS: dict[Strategy, type[Trainer]] = {Strategy.ddp: Trainer, Strategy.fsdp: FsdpTrainer}
-
-
-def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
-    """The trainer class of cfg.strategy, built with Trainer's arguments."""
-    return TRAINERS[cfg.strategy](cfg, *args, **kwargs)

@@ -1,0 +1,24 @@
+"""Training one replica: the trainer and one module per strategy, chosen by ``make_trainer``.
+
+- ``trainer``: ``Trainer`` (strategy=ddp), the loop, the compiled step, exact
+  evaluation, checkpoint state, and the hooks a strategy overrides;
+- ``fsdp``: ``FsdpTrainer`` (strategy=fsdp), torch_xla's fully sharded data parallel;
+- ``optim``: the optimizer (parameter groups, primed state) and its learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tpustream.config import Strategy, TrainConfig
+from tpustream.training.fsdp import FsdpTrainer
+from tpustream.training.trainer import Trainer
+
+__all__ = ["FsdpTrainer", "Trainer", "make_trainer"]
+
+TRAINERS: dict[Strategy, type[Trainer]] = {Strategy.ddp: Trainer, Strategy.fsdp: FsdpTrainer}
+
+
+def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
+    """The trainer class of cfg.strategy, built with Trainer's arguments."""
+    return TRAINERS[cfg.strategy](cfg, *args, **kwargs)
