@@ -5,6 +5,14 @@ Reproduce (from the repository root; about 4 minutes on 2 idle cores):
     .venv/bin/python bench/input_pipeline.py                # 20000 images -> bench/results/
     .venv/bin/python bench/input_pipeline.py --quick        # ~3000 images -> bench/results/quick/
     .venv/bin/python bench/input_pipeline.py --profile ours-local   # cProfile one config, w=0
+    .venv/bin/python bench/input_pipeline.py --dataset imagenet     # ImageNet-like JPEGs, 224 crops
+
+--dataset selects the data: cifar (the default) is this module, described
+below; imagenet runs bench/imagenet_pipeline.py (3072 photo-like JPEGs of
+ImageNet's sizes, random-resized and centre crops to 224, decode limit, DCT
+scaling on and off -> bench/results/imagenet/; its docstring describes its
+rows and options). The timing, load accounting, table and chart helpers both
+use are in bench/common.py.
 
 Every configuration sees the same images: scikit-learn's digits (train split,
 32x32 RGB) repeated to --num-images copies, each copy shifted, coloured and
@@ -86,24 +94,33 @@ import io
 import json
 import multiprocessing
 import os
-import platform
 import pstats
-import resource
 import sys
 import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
-import torchvision
 import webdataset as wds
+from common import (  # bench/common.py: the helpers imagenet_pipeline.py shares
+    Batch,
+    Epoch,
+    ForeignCpu,
+    batch_length,
+    environment,
+    format_table,
+    measure,
+    normalized,
+    open_gs_in_process,
+    plot,
+    timed_pass,
+)
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms
@@ -114,8 +131,8 @@ from tpustream.data.augment import Normalizer
 from tpustream.data.decode import ImageDecoder
 from tpustream.data.index import INDEX_NAME, count_shards
 from tpustream.data.loader import ShardStream, make_loader
-from tpustream.data.make_shards import encode_image, sample_order, write_split
 from tpustream.data.manifest import load_manifest
+from tpustream.data.shard_writer import encode_image, sample_order, write_split
 from tpustream.data.sources import SplitSource, digits_splits
 from tpustream.data.splits import SplitOptions, load_split
 from tpustream.data.stages import ErrorPolicy, augment_batches, batch_samples, decode_samples
@@ -138,9 +155,8 @@ SEED = 0
 DEFAULT_NUM_IMAGES = 20000
 QUICK_NUM_IMAGES = 3000
 B_BATCHING = "WebDataset.batched(128) + DataLoader(batch_size=None)"
-
-Batch = tuple | list | dict
-Epoch = Callable[[], Iterator[Batch]]  # each call starts one pass over the data
+RATIOS = (("x L", "x_L"), ("x L_ours", "x_L_ours"))
+DATASETS = ("cifar", "imagenet")
 
 
 # --------------------------------------------------------------------------- data
@@ -349,18 +365,6 @@ def stock_webdataset(data: BenchData, workers: int, where: str) -> Epoch:
     return lambda: iter(loader)
 
 
-def normalized(batches: Iterable[dict[str, torch.Tensor]], normalize: Normalizer) -> Iterator[Batch]:
-    """uint8 batches to normalised float32, in the consuming process.
-
-    ShardStream ships uint8 (a quarter of the bytes between processes and to
-    the device) and the trainer normalises on the device inside the compiled
-    step. Here the consumer does it on the host, so every configuration
-    still pays for the same transforms.
-    """
-    for batch in batches:
-        yield normalize(batch["image"]), batch["label"]
-
-
 def ours(data: BenchData, workers: int, image_format: str, where: str) -> Epoch:
     """ours-*: ShardStream through make_loader, as the trainer builds it, normalising in the consumer."""
     stream = make_stream(data.split(image_format, where), workers, SHUFFLE_BUFFER)
@@ -408,70 +412,7 @@ CONFIGS = [
 ]
 
 
-def gopen_via_tpustream(url: str, mode: str = "rb", bufsize: int = 8192, **kw):
-    """A webdataset gopen handler (gopen_schemes entry) that streams gs:// in-process."""
-    if mode != "rb":
-        raise ValueError(f"{url}: only reading is supported, not mode {mode!r}")
-    return storage.open_read(url)
-
-
-# ----------------------------------------------------------------------- timing
-
-
-def batch_length(batch: Batch) -> int:
-    return len(batch["label"]) if isinstance(batch, dict) else len(batch[1])
-
-
-def timed_pass(epoch: Epoch) -> tuple[int, float]:
-    """(samples after the first batch, seconds from the first batch to the last)."""
-    batches = epoch()
-    next(batches)  # start-up (workers, first shuffle buffer) ends here
-    start = time.perf_counter()
-    samples = sum(batch_length(batch) for batch in batches)
-    return samples, time.perf_counter() - start
-
-
-def measure(epoch: Epoch, min_seconds: float) -> dict:
-    timed_pass(epoch)  # warm-up: page cache, lazy imports, emulator connections
-    samples, seconds, passes = 0, 0.0, 0
-    while seconds < min_seconds:
-        s, t = timed_pass(epoch)
-        samples, seconds, passes = samples + s, seconds + t, passes + 1
-    return {"samples": samples, "seconds": seconds, "passes": passes, "samples_per_s": samples / seconds}
-
-
-class ForeignCpu:
-    """Cores used by programs other than this benchmark while a configuration runs.
-
-    The machine may be shared (other test runs), and with 2 cores any foreign
-    load shows up in samples/s, so every row records it: system-wide busy CPU
-    seconds minus those of this process, its reaped children (DataLoader
-    workers, once shut down) and the GCS emulator, per wall second.
-    """
-
-    def __init__(self):
-        self.emulators = [p for p in psutil.Process().children() if "fake-gcs" in p.name()]
-
-    def _busy(self) -> float:
-        t = psutil.cpu_times()
-        return sum(t) - t.idle - t.iowait - t.guest - t.guest_nice  # guest time is also in user
-
-    def _ours(self) -> float:
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-        return total + sum(sum(p.cpu_times()[:2]) for p in self.emulators)
-
-    def _now(self) -> tuple[float, float, float]:
-        return time.perf_counter(), self._busy(), self._ours()
-
-    def __enter__(self) -> ForeignCpu:
-        self.start = self._now()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        wall, busy, ours = (now - then for now, then in zip(self._now(), self.start, strict=True))
-        self.cores = max(0.0, busy - ours) / wall
+# ----------------------------------------------------------------------- memory
 
 
 def _read_status_kib(field: str) -> int:
@@ -581,57 +522,18 @@ def add_ratios(rows: list[dict]) -> None:
         r["x_L_ours"] = r["samples_per_s"] / limits["L_ours"]
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = [
-        f"{'configuration':<20}{'workers':>8}{'samples/s':>11}{'x L':>8}{'x L_ours':>10}"
-        f"{'samples':>9}{'seconds':>9}{'passes':>7}{'other load':>12}",
-    ]
-    for r in rows:
-        workers = "-" if r["workers"] is None else str(r["workers"])
-        lines.append(
-            f"{r['name']:<20}{workers:>8}{r['samples_per_s']:>11.0f}{r['x_L']:>8.2f}{r['x_L_ours']:>10.2f}"
-            f"{r['samples']:>9}{r['seconds']:>9.2f}{r['passes']:>7}{r['foreign_cores']:>12.2f}"
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    kinds = {None: ("tab:gray", "single-process limit"), 0: ("tab:blue", "num_workers=0")}
-    kinds[max(WORKER_COUNTS)] = ("tab:orange", f"num_workers={max(WORKER_COUNTS)}")
-    labels = [r["name"] if r["workers"] is None else f"{r['name']} (w={r['workers']})" for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 0.38 * len(rows) + 1.6))
-    y = np.arange(len(rows))[::-1]
-    ax.barh(y, [r["samples_per_s"] for r in rows], color=[kinds[r["workers"]][0] for r in rows])
-    for yi, r in zip(y, rows, strict=True):
-        text = f" {r['samples_per_s']:.0f}  ({r['x_L']:.2f}x L, {r['x_L_ours']:.2f}x L_ours)"
-        ax.text(r["samples_per_s"], yi, text, va="center", fontsize=8)
-    handles = [Patch(color=color, label=label) for color, label in kinds.values()]
-    for r, style in zip(rows[:2], (":", "--"), strict=True):
-        handles.append(
-            ax.axvline(r["samples_per_s"], color="k", linestyle=style, linewidth=0.8, label=r["name"])
-        )
-    ax.set_yticks(y, labels)
-    ax.set_xlabel("samples/s (higher is better)")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlim(0, 1.4 * max(r["samples_per_s"] for r in rows))
-    ax.legend(handles=handles, loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------------ main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     here = Path(__file__).resolve().parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="cifar",
+        help="cifar: this benchmark; imagenet: bench/imagenet_pipeline.py (its own options: --help)",
+    )
     parser.add_argument("--num-images", type=int, default=None, help=f"default {DEFAULT_NUM_IMAGES}")
     parser.add_argument("--out", type=Path, default=None, help="default bench/results (quick: .../quick)")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_NUM_IMAGES} images")
@@ -675,12 +577,19 @@ def run_configs(data: BenchData, min_seconds: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python", os.path.relpath(__file__), *argv])
+    selector = argparse.ArgumentParser(add_help=False)
+    selector.add_argument("--dataset", choices=DATASETS, default="cifar")
+    dataset, rest = selector.parse_known_args(argv)
+    if dataset.dataset == "imagenet":
+        import imagenet_pipeline  # a sibling in bench/, imported only when asked for
+
+        return imagenet_pipeline.main(rest, command)
     args = parse_args(argv)
     torch.set_num_threads(1)  # the single-process configs get one core, like each DataLoader worker
-    # webdataset maps gs:// to `gsutil cat`, which is not installed; stream in-process instead.
-    sys.modules["webdataset.gopen"].gopen_schemes["gs"] = gopen_via_tpustream
+    open_gs_in_process()
     warnings.filterwarnings("ignore", message=".*shardshuffle.*")
-    command = " ".join(["python", os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])
     started = time.time()
 
     with tempfile.TemporaryDirectory(prefix="tpustream-bench-") as workdir, GcsEmulator() as emulator:
@@ -709,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  memory (ours-local, w=0, fresh process per shuffle buffer) ...", flush=True)
         memory = measure_memory(data.shard_roots["png", "local"])
 
-    print(f"\n{format_table(rows)}\n")
+    print(f"\n{format_table(rows, RATIOS)}\n")
     for m in memory:
         print(
             f"ours-local w=0 shuffle_buffer={m['shuffle_buffer']}: peak RSS growth "
@@ -734,14 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours_last_batch": "drop",
             "memory": "peak RSS growth (VmHWM after reset) in a fresh process, ours-local, 0 workers",
         },
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torchvision": torchvision.__version__,
-            "webdataset": wds.__version__,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-        },
+        "environment": environment(),
         "configs": rows,
         "startup_without_manifest": startup,
         "memory": memory,
@@ -753,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.num_images} digit PNGs ({info['avg_png_bytes']:.0f} B avg), batch {BATCH_SIZE}, "
         f"1 torch thread, {os.cpu_count()} CPUs"
     )
-    plot(rows, chart, title)
+    plot(rows, chart, title, RATIOS, rows[:2], WORKER_COUNTS)
     print(f"\nwrote {args.out / 'results.json'} and {chart}")
     return 0
 
