@@ -130,7 +130,14 @@ def test_a_split_of_unreadable_shards_stops_the_run_naming_them(digits_root, tmp
     for shard in sorted((root / "train").glob("*.tar")):
         shard.write_bytes(b"\0not a tar" * 100)
     run = str(tmp_path / "run")
-    result = run_train(f"data.root={root}", f"output_dir={run}", "epochs=1", f"hydra.run.dir={tmp_path}/h")
+    result = run_train(
+        f"data.root={root}",
+        f"output_dir={run}",
+        "epochs=1",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"hydra.run.dir={tmp_path}/h",
+    )
     assert result.returncode == 2
     output = result.stdout + result.stderr
     assert re.search(

@@ -86,7 +86,8 @@ def test_variable_size_jpegs_to_shards_to_random_resized_training(tmp_path):
         "data=imagenet",
         f"data.root={shards}",
         "data.image_size=64",
-        "data.num_workers=1",
+        "data.num_workers=0",
+        "accelerator.in_process=true",  # the spawn path is test_e2e's; here it would only add seconds
         "model=small_cnn",
         "batch_size=32",
         f"epochs={epochs}",

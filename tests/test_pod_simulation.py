@@ -38,7 +38,7 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
         f"data.root={digits_bucket}/digits",
         f"data.train_shards='{digits_bucket}/digits/{TRAIN_SUBSET}'",  # Hydra needs braces quoted
         f"output_dir={run}",
-        "data.num_workers=2",
+        "data.num_workers=1",  # 4 replicas and their workers share 2 cores
         "batch_size=16",
         "epochs=2",
         "debug.check_sync_every=1",  # bit-identical parameters after every step, buffers every epoch

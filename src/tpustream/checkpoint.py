@@ -56,11 +56,14 @@ FINGERPRINT_IGNORES = (
 
 
 # Keys that may also differ when a run folder is continued with resume=auto:
-# where and on what it runs, and how its input is fed, none of which changes
-# what is trained (another replica count or batch plan restarts the epoch).
+# where and on what it runs, how the model is laid out over the cores, and
+# how its input is fed, none of which changes what is trained (another
+# replica count or batch plan restarts the epoch).
 RESUME_MAY_DIFFER = (
     *FINGERPRINT_IGNORES,
     "accelerator",
+    "strategy",
+    "fsdp_wrap_min_params",
     "checkpoint",
     "log_steps",
     "data.num_workers",
