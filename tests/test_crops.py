@@ -143,6 +143,20 @@ def test_odd_files_are_cropped_like_ordinary_ones(photo):
         decode_crop(b"not an image", crop, 32, 3)
 
 
+def test_a_jpeg_turbojpeg_refuses_goes_to_pil_with_the_same_crop(photo):
+    """Bytes after the scan make TurboJPEG (strict) refuse; PIL decodes them, and the crop is chosen once."""
+    data = encode(photo.resize((60, 40)))
+    damaged = data[:-2] + b"\x00\x01\x02" + data[-2:]
+    chosen = []
+
+    def choose(height, width):
+        chosen.append((height, width))
+        return random_resized_plan(height, width, 32, SampleRandom(0, 0, len(chosen)), hflip=True)
+
+    crop = decode_crop(damaged, choose, 32, 3)
+    assert crop.shape == (3, 32, 32) and chosen == [(40, 60)]
+
+
 def test_cropping_decoder_reads_fields_and_refuses_raw():
     decoder = ImageDecoder(3, 16, 16, 10, image_key="jpg;raw")
     epoch = CroppingDecoder(decoder, train=True, seed=0).for_epoch(3)

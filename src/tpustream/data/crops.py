@@ -9,14 +9,14 @@ as torchvision's ``Resize`` + ``CenterCrop`` do.
 The crop is chosen from the image's header, before its pixels are decoded:
 
 - a JPEG is decoded by libjpeg-turbo's TurboJPEG API (simplejpeg, straight
-  into a numpy array: ~30% faster here than PIL's decoder and its copy out),
+  into a numpy array: 1.4x PIL's decoder and its copy out, in
+  bench/imagenet_pipeline.py),
   at 1/2, 1/4 or 1/8 scale in the DCT domain when the crop is shrunk by at
   least that much anyway, which skips most of the work on large photos;
 - a training crop is resampled alone, in uint8, straight to the output size
   by the antialiasing bilinear filter torchvision's resize applies to
-  tensors (torch's vectorised uint8 path: ~190 us for a 280-pixel crop to
-  224 here, against ~700 us for PIL's resample): no full-size resized copy,
-  no float tensor.
+  tensors (torch's vectorised uint8 path: 3.2x PIL's resample of the same
+  box in that benchmark): no full-size resized copy, no float tensor.
 
 Every random draw comes from a counter-based generator keyed on (seed,
 epoch, sample id), not from a stream, so a sample gets the same crop whichever
@@ -45,7 +45,8 @@ from tpustream.errors import ConfigError
 AREA_RANGE = (0.08, 1.0)
 ASPECT_RANGE = (3.0 / 4.0, 4.0 / 3.0)
 ATTEMPTS = 10
-# JPEG DCT-domain scale factors libjpeg offers through PIL's draft (besides 1).
+# The JPEG DCT-domain scale-downs used (besides 1): libjpeg-turbo's other
+# factors (M/8 between 1/2 and 1) decode slower than full size, measured.
 _DCT_FACTORS = (8, 4, 2)
 _MASK64 = (1 << 64) - 1
 
@@ -229,15 +230,23 @@ def decode_crop(data: bytes, choose: Chooser, size: int, channels: int, use_dct:
     TurboJPEG at the DCT scale the plan allows (anything else, or a JPEG it
     refuses, by PIL); the region is resampled in uint8 by the antialiasing
     bilinear filter of torchvision's resize on tensors (torch's vectorised
-    uint8 path, about 4x PIL's resample for a 224 crop here). SampleError if
-    neither reads the bytes. The result may be a strided view: the batching
-    stage copies it into the batch, once.
+    uint8 path). SampleError if neither reads the bytes. The result may be a
+    strided view: the batching stage copies it into the batch, once.
     """
+    plans: dict[tuple[int, int], CropPlan] = {}
+
+    def plan_once(height: int, width: int) -> CropPlan:
+        # A JPEG TurboJPEG refuses after its header goes to PIL with the same
+        # plan: choosing again would draw another crop.
+        if (height, width) not in plans:
+            plans[height, width] = choose(height, width)
+        return plans[height, width]
+
     try:
-        pixels, plan, factor = _decode_jpeg(data, channels, choose, use_dct)
+        pixels, plan, factor = _decode_jpeg(data, channels, plan_once, use_dct)
     except ValueError:  # not a JPEG, a CMYK one, or one TurboJPEG refuses
         try:
-            pixels, plan, factor = _decode_pil(data, channels, choose, use_dct)
+            pixels, plan, factor = _decode_pil(data, channels, plan_once, use_dct)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
             raise SampleError(f"cannot decode image: {first_line(exc)}") from None
     left, top, right, bottom = plan.region
