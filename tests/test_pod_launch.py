@@ -107,6 +107,11 @@ import json, os, subprocess, sys, time
 from pathlib import Path
 
 worker = os.environ.get("STUB_WORKER", "?")
+# fake_hang=/fake_pids= arguments: as FAKE_HANG/FAKE_PID_DIR, through the command line.
+for arg in sys.argv[1:]:
+    if arg.startswith(("fake_hang=", "fake_pids=")):
+        name, value = arg.split("=", 1)
+        os.environ[{"fake_hang": "FAKE_HANG", "fake_pids": "FAKE_PID_DIR"}[name]] = value
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pjrt": os.environ.get("PJRT_DEVICE"),
                   "extra": os.environ.get("EXTRA")}), flush=True)
 print(f"replica log of worker {worker}", file=sys.stderr, flush=True)
@@ -468,8 +473,6 @@ def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, monkeypatch):
     """
     pids = tmp_path / "pids"
     pids.mkdir()
-    monkeypatch.setenv("FAKE_PID_DIR", str(pids))
-    monkeypatch.setenv("FAKE_HANG", "0,1")
     (tmp_path / "remote").mkdir()
     options = ["--tpu", "tpu1", "--zone", "europe-west4-a", "--workdir", str(tmp_path / "remote")]
     launcher = subprocess.Popen(
@@ -486,6 +489,8 @@ def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, monkeypatch):
             "--",
             sys.executable,
             str(fake_train),
+            "fake_hang=0,1",  # workers 0 and 1 hang until stopped
+            f"fake_pids={pids}",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
