@@ -275,6 +275,12 @@ def decode_crop(data: bytes, choose: Chooser, size: int, channels: int, use_dct:
     return out.numpy()
 
 
+def check_eval_crop_ratio(ratio: float) -> None:
+    """ConfigError unless the evaluation crop ratio is in (0, 1]."""
+    if not 0.0 < ratio <= 1.0:
+        raise ConfigError(f"data.eval_crop_ratio must be in (0, 1], got {ratio}")
+
+
 @dataclass(frozen=True)
 class CroppingDecoder:
     """Decodes samples of any image size to crops of decoder.shape (square).
@@ -295,8 +301,7 @@ class CroppingDecoder:
         channels, height, width = self.decoder.shape
         if height != width:
             raise ConfigError(f"crops are square; the output size {height}x{width} is not")
-        if not 0.0 < self.eval_ratio <= 1.0:
-            raise ConfigError(f"data.eval_crop_ratio must be in (0, 1], got {self.eval_ratio}")
+        check_eval_crop_ratio(self.eval_ratio)
 
     @property
     def size(self) -> int:

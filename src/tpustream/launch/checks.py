@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tpustream import storage
 from tpustream.checkpoint import RESUME_MAY_DIFFER, config_differences
 from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig, TrainCrop
+from tpustream.data.crops import check_eval_crop_ratio
 from tpustream.data.decode import check_image_key, check_label_key
 from tpustream.data.manifest import ShardManifest
 from tpustream.data.sharding import plan_layout
@@ -253,8 +254,7 @@ def check_data_keys(cfg: TrainConfig) -> None:
         value = getattr(data, name)
         if value is not None and value < 1:
             raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
-    if not 0.0 < data.eval_crop_ratio <= 1.0:
-        raise ConfigError(f"data.eval_crop_ratio must be in (0, 1], got {data.eval_crop_ratio}")
+    check_eval_crop_ratio(data.eval_crop_ratio)
     if data.train_crop == TrainCrop.random_resized and data.in_memory:
         raise ConfigError(
             "data.in_memory holds decoded images of one size; data.train_crop=random_resized "
