@@ -268,8 +268,8 @@ class Trainer:
         """Cross-entropy of a (micro-)batch's real samples, summed and divided by the replica batch.
 
         Padding and filler samples weigh zero; dividing by the static
-        per-replica batch size (not the count of real samples, nor the
-        micro-batch size) gives every real sample the same weight 1 /
+        per-replica batch size (``loss_denominator``; not the count of real
+        samples, nor the micro-batch size) gives every real sample the same weight 1 /
         global_batch once the micro-batches' gradients are summed and
         xm.optimizer_step averages replicas.
         """
@@ -278,7 +278,16 @@ class Trainer:
         per_sample = F.cross_entropy(
             logits.float(), batch["label"], reduction="none", label_smoothing=self.cfg.optim.label_smoothing
         )
-        return (per_sample * batch["real"]).sum() / self.cfg.batch_size
+        return (per_sample * batch["real"]).sum() / self.loss_denominator()
+
+    def loss_denominator(self) -> int:
+        """The samples one step's gradient averages over, as this replica's share.
+
+        Data parallel: the per-replica batch (xm.optimizer_step then averages
+        replicas). A strategy whose one step sees the whole global batch
+        divides by all of it.
+        """
+        return self.cfg.batch_size
 
     def split_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
         """micro_batches equal slices of the replica's batch (static shapes: one graph)."""
