@@ -116,7 +116,7 @@ class FakeRuntime:
 
 
 def test_replicas_that_planned_from_different_counts_stop_before_the_first_step(prepared):
-    from tpustream.launch.local import check_same_counts, counts_fingerprint
+    from tpustream.launch.replica import check_same_counts, counts_fingerprint
 
     plan = prepared()
     mine = counts_fingerprint(plan.train, plan.val)

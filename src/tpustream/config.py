@@ -73,6 +73,16 @@ class Strategy(str, Enum):
     # optimizer state sharded over the replicas, for models that do not fit
     # one core. XLA collectives only (not the gloo-simulated pod).
     fsdp = "fsdp"
+    # One process per host drives all of its devices as one GSPMD program:
+    # data parallel over the device mesh, the model replicated.
+    spmd = "spmd"
+    # GSPMD with FSDPv2: parameters, gradients and optimizer state sharded
+    # along the mesh; the answer for models that do not fit one core.
+    spmd_fsdp = "spmd_fsdp"
+
+
+# The strategies that run one GSPMD program per host instead of a process per device.
+SPMD_STRATEGIES = (Strategy.spmd, Strategy.spmd_fsdp)
 
 
 class OptimizerName(str, Enum):
@@ -184,8 +194,9 @@ class AcceleratorConfig:
 
     device: Device = Device.CPU
     # Replicas on this host: null = one per XLA device, 1 = a single process.
-    # XLA:CPU has no working cross-device collectives (pytorch/xla#9089), so
-    # CPU allows 1, or N with collectives=gloo (the simulated pod).
+    # XLA:CPU has no working cross-process collectives (pytorch/xla#9089), so
+    # CPU allows 1, N with collectives=gloo (the simulated pod), or N virtual
+    # devices in one process with strategy=spmd / spmd_fsdp.
     num_devices: int | None = None
     collectives: Collectives = Collectives.xla
     # Run the single replica inside this process instead of a spawned child (debuggers).

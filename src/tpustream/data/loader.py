@@ -18,7 +18,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from tpustream.config import LastBatch, OnError, TrainCrop
+from tpustream.config import DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.augment import draw_crop_flip
 from tpustream.data.crops import CroppingDecoder
 from tpustream.data.decode import ImageDecoder
@@ -80,6 +80,23 @@ class MemorySamples:
 
     def decode(self, on_error: ErrorPolicy, decoder: SampleDecoder) -> Callable[[Iterable], Iterator]:
         return functools.partial(take_memory_samples, memory=self.memory)
+
+
+# ShardStream's keyword arguments that are data.* config fields of the same name.
+STREAM_OPTIONS = (
+    "num_workers",
+    "shuffle_buffer",
+    "last_batch",
+    "on_error",
+    "train_crop",
+    "crop_padding",
+    "eval_crop_ratio",
+    "hflip",
+    "in_memory",
+    "image_key",
+    "label_key",
+    "stages",
+)
 
 
 class ShardStream(IterableDataset):
@@ -165,6 +182,29 @@ class ShardStream(IterableDataset):
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
         self._skip = multiprocessing.RawValue("q", 0)
+
+    @classmethod
+    def from_config(
+        cls,
+        manifest: ShardManifest,
+        data: DataConfig,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        train: bool,
+        seed: int,
+    ) -> ShardStream:
+        """The stream a replica trains or evaluates on, with every data.* option of the run's config."""
+        return cls(
+            manifest,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            train=train,
+            seed=seed,
+            **{name: getattr(data, name) for name in STREAM_OPTIONS},
+        )
 
     @property
     def epoch(self) -> int:

@@ -20,7 +20,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tpustream import storage
 from tpustream.checkpoint import RESUME_MAY_DIFFER, config_differences
-from tpustream.config import Collectives, Device, IndexMode, Strategy, TrainConfig, TrainCrop
+from tpustream.config import (
+    SPMD_STRATEGIES,
+    Collectives,
+    Device,
+    IndexMode,
+    Strategy,
+    TrainConfig,
+    TrainCrop,
+)
 from tpustream.data.crops import check_eval_crop_ratio
 from tpustream.data.decode import check_image_key, check_label_key
 from tpustream.data.manifest import ShardManifest
@@ -159,11 +167,28 @@ def check_config(cfg: TrainConfig) -> None:
             )
         if acc.num_devices is None or acc.num_devices < 1:
             raise ConfigError("the simulated pod (collectives=gloo) needs accelerator.num_devices >= 1")
+        if cfg.strategy in SPMD_STRATEGIES:
+            raise ConfigError(
+                f"strategy={cfg.strategy.value} runs one process over a device mesh; the simulated pod "
+                "(accelerator=cpu_pod) runs strategy=ddp only: use accelerator=cpu "
+                "accelerator.num_devices=N for N virtual XLA CPU devices"
+            )
+    elif cfg.strategy in SPMD_STRATEGIES:
+        if acc.device == Device.CPU and (acc.num_devices is None or acc.num_devices < 1):
+            raise ConfigError(
+                f"strategy={cfg.strategy.value} on CPU needs accelerator.num_devices >= 1 "
+                "(the virtual XLA CPU devices of the mesh)"
+            )
+        if acc.device == Device.TPU and acc.num_devices is not None:
+            raise ConfigError(
+                f"accelerator.num_devices={acc.num_devices}: strategy={cfg.strategy.value} drives every "
+                "device of the host (null); limit devices with TPU_VISIBLE_CHIPS instead"
+            )
     elif acc.device == Device.CPU and acc.num_devices not in (None, 1):
         raise ConfigError(
-            f"accelerator.num_devices={acc.num_devices} on CPU: XLA:CPU collectives deadlock "
-            f"with more than one device ({CPU_COLLECTIVES_BUG}); use 1, or accelerator=cpu_pod "
-            "to simulate several replicas over gloo"
+            f"accelerator.num_devices={acc.num_devices} on CPU with strategy={cfg.strategy.value}: XLA:CPU "
+            f"collectives deadlock across processes ({CPU_COLLECTIVES_BUG}); use 1, strategy=spmd or "
+            "spmd_fsdp (N devices in one process), or accelerator=cpu_pod to simulate replicas over gloo"
         )
     if acc.device == Device.TPU and acc.num_devices not in (None, 1):
         raise ConfigError(
@@ -213,6 +238,11 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if not 0 <= cfg.debug.profiler_port < 65536:
         raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {cfg.debug.profiler_port}")
+    if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
+        raise ConfigError(
+            f"debug.check_sync_every compares the replicas' copies of the model; strategy="
+            f"{cfg.strategy.value} runs one program with one model"
+        )
     if cfg.strategy == Strategy.fsdp:
         if acc.collectives == Collectives.gloo:
             raise ConfigError(
@@ -277,7 +307,25 @@ def split_options(cfg: TrainConfig) -> SplitOptions:
     )
 
 
-def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world_size: int | None) -> None:
+def replica_batch_size(cfg: TrainConfig, devices_per_replica: int) -> int:
+    """The batch one replica loads per step: batch_size per device it drives."""
+    return cfg.batch_size * devices_per_replica
+
+
+def known_devices_per_replica(cfg: TrainConfig) -> int | None:
+    """Devices one replica drives, if known before spawning (an spmd host's count is not, on TPU)."""
+    if cfg.strategy not in SPMD_STRATEGIES:
+        return 1
+    return cfg.accelerator.num_devices if cfg.accelerator.device == Device.CPU else None
+
+
+def check_data(
+    cfg: TrainConfig,
+    train: ShardManifest,
+    val: ShardManifest,
+    world_size: int | None,
+    devices_per_replica: int | None = 1,
+) -> None:
     """Checks of the data against the config; world_size None = not known before spawn."""
     for manifest, key in ((train, "train_shards"), (val, "val_shards")):
         if manifest.image_size is None:
@@ -294,18 +342,23 @@ def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest, world
         raise ConfigError("train and validation manifests list different classes")
     if len(cfg.data.mean) != train.channels:
         raise ConfigError(f"data.mean has {len(cfg.data.mean)} values, images have {train.channels} channels")
-    if world_size is not None:
+    if world_size is not None and devices_per_replica is not None:
         share = train.num_samples // world_size
-        if cfg.batch_size > share:
+        batch = replica_batch_size(cfg, devices_per_replica)
+        if batch > share:
+            per_device = f" x {devices_per_replica} devices = {batch}" if devices_per_replica > 1 else ""
             raise ConfigError(
-                f"batch_size={cfg.batch_size} is larger than a replica's share of the training "
+                f"batch_size={cfg.batch_size}{per_device} is larger than a replica's share of the training "
                 f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
             )
-        plan_layout(train.num_samples, cfg.batch_size, world_size, cfg.data.last_batch, "train")
+        plan_layout(train.num_samples, batch, world_size, cfg.data.last_batch, "train")
 
 
 def known_world_size(cfg: TrainConfig) -> int | None:
-    """The number of replicas if it is known before spawning (not on TPU: the pod decides)."""
+    """The number of replicas if it is known before spawning (not on TPU: the pod decides).
+
+    Under strategy=spmd / spmd_fsdp a replica is a host's process (one on CPU).
+    """
     acc = cfg.accelerator
     if acc.collectives == Collectives.gloo:
         return acc.num_devices

@@ -3,6 +3,8 @@
 - ``trainer``: ``Trainer`` (strategy=ddp), the loop, the compiled step, exact
   evaluation, checkpoint state, and the hooks a strategy overrides;
 - ``fsdp``: ``FsdpTrainer`` (strategy=fsdp), torch_xla's fully sharded data parallel;
+- ``spmd``: ``SpmdTrainer`` / ``SpmdFsdpTrainer`` (strategy=spmd / spmd_fsdp), one
+  GSPMD program over the host's device mesh, the model replicated or sharded (FSDPv2);
 - ``optim``: the optimizer (parameter groups, primed state) and its learning-rate schedule.
 """
 
@@ -12,11 +14,17 @@ from typing import Any
 
 from tpustream.config import Strategy, TrainConfig
 from tpustream.training.fsdp import FsdpTrainer
+from tpustream.training.spmd import SpmdFsdpTrainer, SpmdTrainer
 from tpustream.training.trainer import Trainer
 
-__all__ = ["FsdpTrainer", "Trainer", "make_trainer"]
+__all__ = ["FsdpTrainer", "SpmdFsdpTrainer", "SpmdTrainer", "Trainer", "make_trainer"]
 
-TRAINERS: dict[Strategy, type[Trainer]] = {Strategy.ddp: Trainer, Strategy.fsdp: FsdpTrainer}
+TRAINERS: dict[Strategy, type[Trainer]] = {
+    Strategy.ddp: Trainer,
+    Strategy.fsdp: FsdpTrainer,
+    Strategy.spmd: SpmdTrainer,
+    Strategy.spmd_fsdp: SpmdFsdpTrainer,
+}
 
 
 def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:

@@ -1,0 +1,111 @@
+"""Everything before spawning: resolve the config, check inputs, load the splits, find the checkpoint.
+
+Everything that can be checked without a device is checked here in the
+parent, before any replica starts, so bad input costs seconds and one clear
+line instead of N replicas failing (or worse, N-1 replicas waiting forever in
+an all-reduce for the one that failed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from tpustream.checkpoint import find_resume, read_metrics
+from tpustream.config import Device, TrainConfig
+from tpustream.data.manifest import ShardManifest
+from tpustream.data.splits import load_split
+from tpustream.errors import ConfigError
+from tpustream.launch.checks import (
+    check_accelerator_present,
+    check_config,
+    check_data,
+    check_environment,
+    check_resume_config,
+    check_resume_fits,
+    check_run_folders,
+    known_devices_per_replica,
+    known_world_size,
+    resolve_config,
+    split_options,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunPlan:
+    """What every replica needs, resolved once in the parent and pickled to each child."""
+
+    cfg: TrainConfig
+    config_dict: dict[str, Any]  # the resolved config as plain data (stored in checkpoints)
+    train: ShardManifest
+    val: ShardManifest
+    resume_url: str | None
+    started_at: float | None = None  # when train.py started (time.time()), for set-up time
+
+
+def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
+    """Everything before spawning: resolve, validate, load manifests, find the checkpoint."""
+    typed, plain = resolve_config(cfg)
+    check_config(typed)
+    check_environment()
+    check_accelerator_present(typed)
+    check_run_folders(typed)
+    options = split_options(typed)
+    train = load_split(typed.data.train_shards, "train", options)
+    val = load_split(typed.data.val_shards, "validation", options)
+    check_data(typed, train, val, known_world_size(typed), known_devices_per_replica(typed))
+    for manifest in (train, val):
+        log.info(
+            "%s: %d samples in %d shard(s), %dx%d images; counts from %s",
+            manifest.split,
+            manifest.num_samples,
+            len(manifest.shards),
+            *manifest.image_size,
+            manifest.counts_from,
+        )
+    resume_url = None
+    resume = find_resume(typed.resume, typed.output_dir)
+    if resume is not None:
+        resume_url, state = resume
+        check_resume_fits(typed, train, state, resume_url)
+        check_resume_config(typed, plain, state.get("config"), resume_url)
+        del state, resume  # the checkpoint's tensors: each replica reads its own copy
+    if typed.eval_only and resume_url is None:
+        raise ConfigError(
+            f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
+        )
+    if typed.xla_cache_dir and typed.accelerator.device == Device.CPU:
+        log.warning(
+            "xla_cache_dir=%s on CPU: torch_xla's CPU client cannot load the entries it writes, "
+            "so nothing is saved",
+            typed.xla_cache_dir,
+        )
+    return RunPlan(typed, plain, train, val, resume_url, started_at)
+
+
+def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
+    """The run's history, and its best evaluated epoch (None if nothing was evaluated)."""
+    history = read_metrics(output_dir)
+    if not history:
+        return None
+    evaluated = [m for m in history if "val_accuracy" in m]
+    return {
+        "history": history,
+        "best": max(evaluated, key=lambda m: m["val_accuracy"]) if evaluated else None,
+    }
+
+
+def describe_result(result: dict[str, Any], output_dir: str) -> str:
+    """train.py's last line: the best evaluated epoch, and where the checkpoints are."""
+    best = result["best"]
+    if best is None:  # eval_every=0
+        return f"{len(result['history'])} epoch(s), no validation; checkpoints in {output_dir}"
+    return (
+        f"best validation accuracy {100 * best['val_accuracy']:.2f}% "
+        f"({best['val_correct']}/{best['val_samples']}) at epoch {best['epoch']}; checkpoints in {output_dir}"
+    )

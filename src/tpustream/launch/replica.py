@@ -1,0 +1,165 @@
+"""One replica's set-up: its data streams, model and trainer, from the run plan and its runtime."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from typing import Any
+
+from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint
+from tpustream.data.manifest import ShardManifest
+from tpustream.data.sharding import describe_sharing
+from tpustream.errors import ConfigError
+from tpustream.launch.checks import check_data, replica_batch_size
+from tpustream.launch.plan import RunPlan
+from tpustream.logs import setup_worker_logging
+from tpustream.models import create_model
+from tpustream.preemption import exit_with_parent, ignore_stop_signals
+
+log = logging.getLogger(__name__)
+
+
+def counts_fingerprint(*manifests: ShardManifest) -> str:
+    """A digest of the shards and counts the epoch plan is made from."""
+    digest = hashlib.sha256()
+    for manifest in manifests:
+        for shard in manifest.shards:
+            digest.update(f"{shard.url}\0{shard.samples}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def check_same_counts(runtime, *manifests: ShardManifest) -> None:
+    """Every replica must plan from the same counts, or their step counts differ and the pod hangs.
+
+    One process counts per host; on a multi-host pod the hosts read one index,
+    but a shard rewritten between two hosts' start-ups would still split them.
+    """
+    mine = counts_fingerprint(*manifests)
+    everyone = runtime.all_gather_host("shard-counts", mine)
+    if len(set(everyone)) > 1:
+        others = sorted(set(everyone) - {mine})
+        raise ConfigError(
+            f"replicas planned from different shard counts (this host {mine}, others {', '.join(others)}): "
+            "were shards rewritten while the pod started? Run `tpustream-index` on the shards and restart"
+        )
+
+
+def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
+    """DataLoader worker_init_fn: logging, and no death by SIGTERM or SIGINT.
+
+    A preempted TPU VM sends SIGTERM to every process, Ctrl-C sends SIGINT to
+    the whole foreground group. Workers that died on either would fail their
+    replica before it could save; instead the replica finishes its step, saves
+    last.pt, and shuts its workers down itself. Workers start with these
+    signals blocked (CountingLoader), so one sent while they start waits here.
+    """
+    setup_worker_logging(rank, world_size, worker_id)
+    ignore_stop_signals()
+    exit_with_parent(parent=replica_pid)
+
+
+def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
+    """Build the data, model and trainer of one replica and train."""
+    import torch
+
+    from tpustream.data.loader import ShardStream, make_loader
+    from tpustream.observe import start_profiler
+    from tpustream.training import make_trainer
+
+    cfg = plan.cfg
+    log.info("replica %d of %d on %s (pid %d)", runtime.rank, runtime.world_size, runtime.device, os.getpid())
+    check_data(cfg, plan.train, plan.val, runtime.world_size, runtime.local_devices)
+    check_same_counts(runtime, plan.train, plan.val)
+    note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)
+    if note and runtime.is_master:
+        log.warning("train: %s", note)
+    torch.manual_seed(cfg.seed)  # reproducible initial weights (broadcast from the master anyway)
+    # Device randomness (dropout and the like) differs per replica, reproducibly.
+    runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
+
+    def stream(manifest: ShardManifest, train: bool) -> ShardStream:
+        return ShardStream.from_config(
+            manifest,
+            cfg.data,
+            batch_size=replica_batch_size(cfg, runtime.local_devices),
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            train=train,
+            seed=cfg.seed,
+        )
+
+    train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)
+    if runtime.is_master:
+        layout = train_stream.layout
+        log.info(
+            "train: %d steps/epoch of %d x %d replica(s); %d padded, %d dropped samples per epoch; "
+            "validation: %d steps, %d padded (masked)",
+            layout.steps,
+            layout.batch_size,
+            layout.world_size,
+            layout.padded_samples,
+            layout.dropped_samples,
+            val_stream.layout.steps,
+            val_stream.layout.padded_samples,
+        )
+    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size, os.getpid())
+    height, width = plan.train.image_size
+    model = create_model(
+        cfg.model.name,
+        num_classes=plan.train.num_classes,
+        image_size=max(height, width),
+        channels=plan.train.channels,
+        **cfg.model.options,
+    )
+    train_loader = make_loader(
+        train_stream,
+        cfg.data.num_workers,
+        cfg.data.prefetch_factor,
+        worker_init_fn=worker_init,
+        record_ids=bool(cfg.debug.sample_log_dir),
+    )
+    val_loader = make_loader(
+        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init
+    )
+    # Both loaders' workers start here, on this main thread, immune to stop
+    # signals: started later by the training loop's thread (validation's after
+    # the first epoch), a SIGTERM or Ctrl-C to the process group while they
+    # import torch would kill them and fail the replica before it saves.
+    train_loader.start_workers()
+    val_loader.start_workers()
+    # Keep the server object alive for the whole run: torch_xla stops it when collected.
+    profiler = start_profiler(cfg.debug.profiler_port, runtime.local_rank)
+    try:
+        resume_from = (load_checkpoint(plan.resume_url), plan.resume_url) if plan.resume_url else None
+        trainer = make_trainer(
+            cfg,
+            plan.config_dict,
+            runtime,
+            model,
+            train_loader,
+            val_loader,
+            resume_from=resume_from,
+            started_at=plan.started_at,
+        )
+        del resume_from  # the checkpoint's tensors: the trainer has what it needs
+        summary = trainer.fit()
+    finally:
+        train_loader.close()
+        val_loader.close()
+        del profiler
+    if runtime.is_master and not cfg.eval_only:
+        if summary["best_epoch"] >= 0:
+            log.info(
+                "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
+                100 * summary["best_accuracy"],
+                summary["best_epoch"],
+                checkpoint_url(cfg.output_dir, BEST),
+            )
+        else:
+            log.info(
+                "finished without validation (eval_every=0); checkpoint %s",
+                checkpoint_url(cfg.output_dir, LAST),
+            )
+    return summary

@@ -1,0 +1,228 @@
+"""Start this host's replicas, one way per kind of run, and turn their failures into one line.
+
+Three ways to run replicas, chosen from the config by ``way_of_running``:
+
+- ``xla``: xmp.spawn, a process per XLA device (TPU cores; one child on the
+  XLA CPU device, or this process with accelerator.in_process), collectives
+  through torch_xla;
+- ``gloo``: the simulated pod (accelerator=cpu_pod), a process per replica on
+  this machine, each with its own XLA CPU device, collectives over gloo;
+- ``spmd``: strategy=spmd / spmd_fsdp, one process for all of this host's
+  devices, one GSPMD program over the global mesh.
+
+Every replica process goes through ``replica_process``: its logging, stop
+handling, death with its parent, and the one way a failure is reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from tpustream.config import SPMD_STRATEGIES, Collectives, Device, Strategy, TrainConfig
+from tpustream.errors import TpustreamError
+from tpustream.launch.plan import RunPlan, read_final_metrics
+from tpustream.launch.replica import run_replica
+from tpustream.logs import setup_replica_logging
+from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers
+
+log = logging.getLogger(__name__)
+
+# The mesh axis of each GSPMD strategy: FSDPv2 requires the name "fsdp".
+SPMD_AXIS = {Strategy.spmd: "data", Strategy.spmd_fsdp: "fsdp"}
+
+
+def way_of_running(cfg: TrainConfig) -> str:
+    if cfg.strategy in SPMD_STRATEGIES:
+        return "spmd"
+    if cfg.accelerator.collectives == Collectives.gloo:
+        return "gloo"
+    return "xla"
+
+
+def configure_device_environment(cfg: TrainConfig) -> None:
+    """PJRT reads these when the runtime starts, i.e. in the spawned replicas."""
+    device = cfg.accelerator.device.value
+    previous = os.environ.get("PJRT_DEVICE")
+    if previous and previous != device:
+        log.warning(
+            "PJRT_DEVICE=%s in the environment; accelerator=%s sets %s", previous, device.lower(), device
+        )
+    os.environ["PJRT_DEVICE"] = device
+    if cfg.accelerator.device == Device.CPU:
+        # N virtual XLA CPU devices in one process only for the GSPMD
+        # strategies: across processes, XLA:CPU's collectives deadlock.
+        spmd = cfg.strategy in SPMD_STRATEGIES
+        os.environ["CPU_NUM_DEVICES"] = str(cfg.accelerator.num_devices or 1) if spmd else "1"
+
+
+def launch(plan: RunPlan) -> dict[str, Any] | None:
+    """Start this host's replicas and wait for them; returns the final metrics of the run."""
+    configure_device_environment(plan.cfg)
+    way = way_of_running(plan.cfg)
+    log.info(
+        "launching %s; train %d samples in %d shards, validation %d samples; output %s%s",
+        _describe(plan.cfg, way),
+        plan.train.num_samples,
+        len(plan.train.shards),
+        plan.val.num_samples,
+        plan.cfg.output_dir,
+        f"; resuming from {plan.resume_url}" if plan.resume_url else "",
+    )
+    {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd}[way](plan)
+    return read_final_metrics(plan.cfg.output_dir)
+
+
+def _describe(cfg: TrainConfig, way: str) -> str:
+    acc = cfg.accelerator
+    if way == "gloo":
+        return f"a simulated pod of {acc.num_devices} replica processes (XLA CPU + gloo)"
+    where = "in this process" if acc.in_process else "in a process of its own"
+    if way == "spmd":
+        devices = acc.num_devices if acc.device == Device.CPU else "every"
+        return f"strategy={cfg.strategy.value} on {devices} {acc.device.value} device(s) as one mesh, {where}"
+    single = acc.in_process or (acc.device == Device.TPU and acc.num_devices == 1)
+    return f"on {acc.device.value} ({'in this process' if single else 'one process per device'})"
+
+
+# -- the replica processes ---------------------------------------------------
+
+
+def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable[[], Any]) -> None:
+    """One replica process, from its logging to its end; re-raises what the parent must report."""
+    setup_replica_logging(rank, world, plan.cfg.log_dir)
+    install_stop_handlers()  # effective only if this replica runs on its process's main thread
+    if multiprocessing.parent_process() is not None:  # a spawned child, not train.py itself
+        exit_with_parent()
+    try:
+        run_replica(plan, make_runtime())
+    except Preempted:
+        raise  # every replica stopped at the same step after the save: nobody waits for us
+    except TpustreamError as exc:
+        if world > 1:
+            log.error("replica %d failed: %s", rank, exc)
+        raise
+    except BaseException:
+        # A bug, not bad input: keep the traceback, the parent only sees the type.
+        log.error("replica %d failed:\n%s", rank, traceback.format_exc())
+        raise
+
+
+def xla_replica_main(index: int, plan: RunPlan) -> None:
+    """The xmp.spawn target."""
+    import torch_xla.runtime as xr
+
+    from tpustream.runtime import XlaRuntime
+
+    world = xr.world_size()
+    try:
+        replica_process(plan, xr.global_ordinal(), world, lambda: XlaRuntime(plan.cfg.xla_cache_dir))
+    except Preempted:
+        raise
+    except BaseException:
+        if world == 1:
+            raise  # nobody waits for us; the parent reports our one-line error
+        # Peers may be waiting in a collective for this replica and would wait
+        # forever. Dying hard breaks xmp.spawn's process pool, which then
+        # terminates every replica of this host.
+        logging.shutdown()
+        os._exit(1)
+
+
+def simulated_replica_main(rank: int, plan: RunPlan, world: int, init_method: str) -> None:
+    """One replica of the simulated pod: gloo process group, own XLA CPU device."""
+    import torch.distributed as dist
+
+    from tpustream.runtime import GlooRuntime
+
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
+    )
+    try:
+        replica_process(plan, rank, world, lambda: GlooRuntime(rank, world, plan.cfg.xla_cache_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+def spmd_replica_main(index: int, plan: RunPlan) -> None:
+    """This host's process of a GSPMD run: every local device, one program."""
+    import torch_xla.runtime as xr
+
+    from tpustream.runtime import SpmdRuntime
+
+    axis = SPMD_AXIS[plan.cfg.strategy]
+    replica_process(
+        plan, xr.process_index(), xr.process_count(), lambda: SpmdRuntime(axis, plan.cfg.xla_cache_dir)
+    )
+
+
+# -- starting them -------------------------------------------------------------
+
+
+def _spawn_xla(plan: RunPlan) -> None:
+    import torch_xla.distributed.xla_multiprocessing as xmp  # after PJRT_DEVICE is set
+
+    acc = plan.cfg.accelerator
+    # xmp.spawn accepts nprocs None (a process per device; on CPU one child
+    # process) or 1 (run in this process). CPU goes through a child like TPU
+    # does, so the local run exercises the pod's code path.
+    single = acc.in_process or (acc.device == Device.TPU and acc.num_devices == 1)
+    try:
+        xmp.spawn(xla_replica_main, args=(plan,), nprocs=1 if single else None)
+    except (TpustreamError, Preempted):
+        raise
+    except Exception as exc:  # a bug in a replica, or BrokenProcessPool: the replica logged why
+        raise TpustreamError(
+            f"a replica failed ({exc.__class__.__name__}: {exc}); its error is logged above"
+        ) from exc
+
+
+def _spawn_spmd(plan: RunPlan) -> None:
+    if plan.cfg.accelerator.in_process:
+        spmd_replica_main(0, plan)
+        return
+    # A child, as xmp.spawn starts one on CPU: SPMD mode is for the whole
+    # process, and this one (train.py) stays free to report and to forward stops.
+    _start_processes(spmd_replica_main, (plan,), 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_simulated_pod(plan: RunPlan) -> None:
+    world = plan.cfg.accelerator.num_devices
+    _start_processes(simulated_replica_main, (plan, world, f"tcp://127.0.0.1:{_free_port()}"), world)
+
+
+def _start_processes(target: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """Run target(i, *args) in nprocs spawned processes; a replica's failure raised here as one line.
+
+    If one fails, torch.multiprocessing terminates the others (which may be
+    waiting for it in a collective) and raises here.
+    """
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(target, args=args, nprocs=nprocs, start_method="spawn")
+    except mp.ProcessRaisedException as exc:
+        # The replica logged its error; its last traceback line names it.
+        last = str(exc).strip().splitlines()[-1]
+        error, _, message = last.partition(": ")
+        if error == "tpustream.preemption.Preempted":
+            raise Preempted(message) from None
+        if error.startswith("tpustream.errors."):
+            raise TpustreamError(f"replica {exc.error_index}: {message}") from None
+        raise TpustreamError(
+            f"replica {exc.error_index} failed ({last}); its traceback is logged above"
+        ) from None
+    except mp.ProcessExitedException as exc:
+        raise TpustreamError(f"replica {exc.error_index} exited with code {exc.exit_code}") from None

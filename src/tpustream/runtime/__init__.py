@@ -1,0 +1,130 @@
+"""Everything replica-related behind one small interface.
+
+The trainer, evaluation and checkpointing talk to a ``Runtime``: which device,
+which replica, how to step the optimizer across replicas, how to reduce
+metrics, how to get state to the host. Two implementations share everything
+that happens on the replica's own device:
+
+- ``XlaRuntime``: a replica of an xmp.spawn job (a TPU core, or the single XLA
+  CPU device); collectives through torch_xla.
+- ``GlooRuntime``: a simulated pod replica, one process with its own XLA CPU
+  device; the few collectives the trainer needs go through torch.distributed
+  with the gloo backend (XLA:CPU has no working cross-device collectives,
+  pytorch/xla#9089), so multi-replica behaviour can be tested on one machine.
+- ``SpmdRuntime``: one process per host driving all its devices as one GSPMD
+  program (strategy=spmd, spmd_fsdp); a replica is a host.
+
+One module each (``xla``, ``gloo``, ``spmd``), on what they share (``device``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+
+
+class Runtime(Protocol):
+    device: torch.device
+    rank: int  # global ordinal, 0 .. world_size - 1
+    world_size: int
+    local_rank: int
+    # Devices this replica drives: its loader's batch is batch_size times this.
+    local_devices: int
+
+    @property
+    def is_master(self) -> bool: ...
+
+    def device_loader(self, loader: Iterable) -> Iterator:
+        """Iterate loader with batches already on the device (and a step boundary per batch)."""
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Copy the master's parameters and buffers to every replica (a collective)."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average gradients over replicas, then step."""
+
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum device tensors over replicas (a collective: every replica must call it)."""
+
+    def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
+        """Sum host numbers over replicas (a collective)."""
+
+    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
+        """Every replica's value of a small picklable object, in rank order (a collective)."""
+
+    def barrier(self, tag: str) -> None: ...
+
+    def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
+        """Run fn(*args) on the host once the current step's tensors are computed."""
+
+    def state_to_host(self, state: Any) -> Any | None:
+        """state with its tensors on the CPU, on the master only (None elsewhere).
+
+        A collective: every replica calls it at the same point of the program.
+        """
+
+    def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
+        """Every replica's state, tensors on the CPU, in rank order, on the master (None elsewhere).
+
+        A collective, for sharded models: each replica holds a different part.
+        """
+
+    def rng_state(self) -> int:
+        """The device random generator's state (dropout and other device randomness)."""
+
+    def set_rng_state(self, state: int) -> None: ...
+
+    def wait_device_ops(self) -> None: ...
+
+    def compilations(self) -> int:
+        """Graphs compiled so far in this process (for recompilation checks)."""
+
+
+def current_replica() -> tuple[int, int]:
+    """(rank, world size) of the calling process, for code that runs outside our launcher.
+
+    torch_xla first (an xmp.spawn replica, where torch.distributed is usually
+    not initialised, so webdataset's own split_by_node sees a world of one and
+    every replica reads every shard), then torch.distributed, then the RANK /
+    WORLD_SIZE environment that torchrun sets; (0, 1) when alone.
+    """
+    import sys
+
+    if "torch_xla" in sys.modules:  # imported by the caller: an XLA job
+        import torch_xla.runtime as xr
+
+        world = xr.world_size()
+        if world > 1:
+            return xr.global_ordinal(), world
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def count_tpu_chips() -> int:
+    """TPU chips on this machine's PCI bus, as torch_xla counts them (0 on a machine without)."""
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_chips()
+
+
+from tpustream.runtime.device import to_host  # noqa: E402
+from tpustream.runtime.gloo import GlooRuntime  # noqa: E402
+from tpustream.runtime.spmd import SpmdRuntime  # noqa: E402
+from tpustream.runtime.xla import XlaRuntime  # noqa: E402
+
+__all__ = [
+    "GlooRuntime",
+    "Runtime",
+    "SpmdRuntime",
+    "XlaRuntime",
+    "count_tpu_chips",
+    "current_replica",
+    "to_host",
+]

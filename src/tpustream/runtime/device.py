@@ -1,0 +1,122 @@
+"""What a replica does on its own XLA device, whichever way replicas talk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+def to_host(value: Any) -> Any:
+    """value with every tensor in it copied to the CPU (device tensors are computed first)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_host(v) for v in value)
+    return value
+
+
+class ErrorKeepingIterable:
+    """Iterates a loader on another thread, keeping its exception instead of raising it there."""
+
+    def __init__(self, loader: Iterable):
+        self.loader = loader
+        self.error: Exception | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        self.error = None
+        try:
+            yield from self.loader
+        except Exception as exc:
+            self.error = exc
+
+
+class XlaDevice:
+    """What a replica does on its own XLA device, whichever way replicas talk."""
+
+    rank: int
+    world_size: int
+    local_devices = 1
+
+    def __init__(self, compile_cache_dir: str | None, cache_subdir: str):
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        if compile_cache_dir:
+            # One folder per local process: concurrent writers to one cache
+            # folder are not supported, and the same (shape, program) compiles
+            # identically on every replica of a host anyway.
+            xr.initialize_cache(os.path.join(compile_cache_dir, cache_subdir), readonly=False)
+        self.device = torch_xla.device()
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def device_loader(self, loader: Iterable) -> Iterator:
+        import torch_xla.distributed.parallel_loader as pl
+
+        # MpDeviceLoader moves batches on a background thread and marks a step
+        # at every batch, so the training loop never syncs explicitly. If the
+        # loader raises on that thread, torch_xla 2.9 closes the queue as if
+        # the epoch had ended (and the traceback goes to stderr): catch the
+        # error there and raise it here, in the training thread.
+        source = ErrorKeepingIterable(loader)
+        yield from pl.MpDeviceLoader(source, self.device)
+        if source.error is not None:
+            raise source.error
+
+    def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args=args)
+
+    def state_to_host(self, state: Any) -> Any | None:
+        import torch_xla
+
+        # What xm.save does, with public calls: every replica cuts the graph
+        # here (pending work, collectives included, runs the same program on
+        # all of them), then only the master copies tensors, which are plain
+        # device data by now, to the host.
+        torch_xla.sync()
+        if not self.is_master:
+            return None
+        return to_host(state)
+
+    def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
+        import torch_xla
+
+        # Cut the graph first, as state_to_host does: copying pending tensors
+        # one by one would compute them in graphs of their own, which XLA may
+        # fuse, and round, differently from the training step's graph.
+        torch_xla.sync()
+        states = self.all_gather_host(tag, to_host(state))
+        return states if self.is_master else None
+
+    def rng_state(self) -> int:
+        import torch_xla.core.xla_model as xm
+
+        return int(xm.get_rng_state(self.device))
+
+    def set_rng_state(self, state: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(state, self.device)
+
+    def wait_device_ops(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+    def compilations(self) -> int:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0

@@ -1,0 +1,81 @@
+"""A simulated pod replica: its own process and XLA CPU device, collectives over gloo."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tpustream.runtime.device import XlaDevice
+
+
+class GlooRuntime(XlaDevice):
+    """A simulated pod replica: its own process and XLA CPU device, collectives over gloo.
+
+    torch.distributed must already be initialised (gloo) with this rank and
+    world size. Tensors cross to the host for each collective, which makes a
+    step slower than on a pod but exercises the same trainer code.
+    """
+
+    def __init__(self, rank: int, world_size: int, compile_cache_dir: str | None = None):
+        super().__init__(compile_cache_dir, str(rank))
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = rank
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        tensors = [t for t in (*model.parameters(), *model.buffers())]
+        for tensor in tensors:
+            host = tensor.detach().cpu()
+            dist.broadcast(host, src=0)
+            tensor.data.copy_(host.to(self.device))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed as dist
+
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            # One flat transfer and one all-reduce per step; the mean over
+            # replicas, as xm.optimizer_step computes it.
+            flat = torch.cat([g.detach().reshape(-1) for g in grads]).cpu()
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            averaged = flat.to(self.device)
+            offset = 0
+            for grad in grads:
+                grad.copy_(averaged[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        optimizer.step()
+
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        out = []
+        for tensor in tensors:
+            host = tensor.detach().cpu()
+            dist.all_reduce(host)
+            out.append(host.to(self.device))
+        return out
+
+    def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
+        import torch.distributed as dist
+
+        host = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(host)
+        return host.tolist()
+
+    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self, tag: str) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()

@@ -1,0 +1,163 @@
+"""strategy=spmd and spmd_fsdp: one GSPMD program over every device of the mesh.
+
+The trainer's step runs once per host on the whole global batch, sharded along
+the mesh axis; XLA's partitioner turns it into one program per device with
+the collectives it needs. ``spmd`` replicates the model (data parallel, with
+BatchNorm statistics over the global batch, as one device with the whole
+batch computes them); ``spmd_fsdp`` shards parameters, gradients and
+optimizer state along the axis too (torch_xla's FSDPv2).
+
+Checkpoints hold the whole model under the plain model's keys and the
+optimizer state in the plain layout (tensors copied to the host come back
+whole), so best.pt loads into ddp, and ddp, spmd and spmd_fsdp checkpoints
+resume one another, optimizer state included.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tpustream.config import Strategy
+from tpustream.runtime.spmd import device_bytes, fsdp_partition_spec
+from tpustream.training.trainer import Trainer
+
+log = logging.getLogger("tpustream.training")
+
+# Strategies whose checkpoints hold the optimizer state of the unsharded model, parameter by parameter.
+PLAIN_OPTIMIZER_STATE = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
+# What FSDPv2 inserts into the names of the modules it wraps.
+WRAPPER_PREFIX = "_orig_module."
+
+
+def shard_model(model: nn.Module, mesh: Any, min_params: int) -> nn.Module:
+    """FSDPv2 over the mesh's "fsdp" axis: submodules of min_params+ parameters are units of their own.
+
+    Every parameter is split along its largest dimension; a unit's output is
+    sharded along the batch, which makes XLA gather each unit's weights just
+    before it runs and free them after.
+    """
+    from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=min_params) if min_params else None
+    # FSDPv2's backward hook on the root module fires on the output, as the
+    # images need no gradient; torch warns at every run's first backward.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+    return SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=policy)
+
+
+class SpmdTrainer(Trainer):
+    """strategy=spmd: data parallel over the mesh, in one program."""
+
+    def loss_denominator(self) -> int:
+        # The step sees the global batch at once; nothing averages afterwards.
+        return self.cfg.batch_size * self.runtime.num_devices
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        self.runtime.replicate([*model.parameters(), *model.buffers()])
+        self._states_placed = False
+        return model
+
+    def run_optimizer(self) -> None:
+        if not self._states_placed:
+            # Primed or loaded optimizer state arrives unannotated; place it
+            # as the step's outputs will be, so the first step's graph is the
+            # graph of every later one.
+            self.place_optimizer_state()
+            self._states_placed = True
+        self.runtime.optimizer_step(self.optimizer)
+
+    def place_optimizer_state(self) -> None:
+        tensors = [v for state in self.optimizer.state.values() for v in state.values()]
+        self.runtime.replicate([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"])
+
+    def _device_values(self, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
+        tensors = super()._device_values(*values)
+        self.runtime.replicate(tensors)
+        return tensors
+
+    def average_buffers(self) -> None:
+        # One model: BatchNorm's statistics are already over the global batch.
+        pass
+
+    def split_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batch i takes slice i of every device's share, so no sample changes device.
+
+        (Slices of the global batch would each live on a few devices and be
+        moved around.) Each micro-batch then holds what ddp's replicas put in
+        theirs.
+        """
+        count = self.cfg.micro_batches
+        if count == 1:
+            yield batch
+            return
+        devices, size = self.runtime.num_devices, self.cfg.batch_size // count
+        for index in range(count):
+            yield {
+                name: tensor.unflatten(0, (devices, -1)).narrow(1, index * size, size).flatten(0, 1)
+                for name, tensor in batch.items()
+            }
+
+    def data_plan(self) -> dict[str, int]:
+        # The sample order depends on the batch each host loads (batch_size x its devices).
+        return {**super().data_plan(), "batch_size": self.cfg.batch_size * self.runtime.local_devices}
+
+    def model_and_optimizer_state(self) -> tuple[Any, Any]:
+        model = {name.replace(WRAPPER_PREFIX, ""): value for name, value in self.model.state_dict().items()}
+        return model, self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
+        written_by = state.get("strategy", Strategy.ddp.value)
+        if written_by not in PLAIN_OPTIMIZER_STATE:
+            log.warning(
+                "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
+                "starts fresh (model weights and training position are restored)",
+                source,
+                written_by,
+                self.cfg.strategy.value,
+            )
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class SpmdFsdpTrainer(SpmdTrainer):
+    """strategy=spmd_fsdp: parameters, gradients and optimizer state sharded along the mesh (FSDPv2)."""
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        minimum = self.cfg.fsdp_wrap_min_params
+        # BatchNorm's statistics stay whole on every device (FSDPv2 shards parameters only).
+        self.runtime.replicate(model.buffers())
+        wrapped = shard_model(model, self.runtime.mesh, minimum)
+        self._states_placed = False
+        if self.runtime.is_master:
+            log.info(
+                "strategy=spmd_fsdp: FSDP units: %d (submodules of %d+ parameters, and the rest), "
+                "parameters sharded over %d device(s): %.1f MB of %.1f MB on each",
+                sum(isinstance(m, type(wrapped)) for m in wrapped.modules()),
+                minimum,
+                self.runtime.num_devices,
+                device_bytes(list(wrapped.parameters())) / 1e6,
+                sum(p.numel() * p.element_size() for p in wrapped.parameters()) / 1e6,
+            )
+        return wrapped
+
+    def place_optimizer_state(self) -> None:
+        """Shard each state tensor as its parameter is: no device ever holds all of it."""
+        import torch_xla.distributed.spmd as xs
+
+        mesh, axis = self.runtime.mesh, self.runtime.axis
+        for param, state in self.optimizer.state.items():
+            for value in state.values():
+                if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+                    continue
+                if value.shape == param.shape and value.dim() > 0:
+                    xs.mark_sharding(value, mesh, fsdp_partition_spec(param.shape, axis))
+                else:
+                    self.runtime.replicate([value])

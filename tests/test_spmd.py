@@ -1,0 +1,221 @@
+"""strategy=spmd / spmd_fsdp on four real XLA CPU devices in one process (GSPMD), against ddp on one.
+
+Each run is `python train.py` in its own process with
+``accelerator.num_devices=4``: one process drives the 4-device mesh, the
+batch is sharded along it, and XLA's partitioner inserts the collectives
+(across processes, XLA:CPU's collectives deadlock; inside one, GSPMD's work).
+A per-device batch of 8 on 4 devices is a global batch of 32: the same
+samples in the same order as ddp on one device with batch 32, so the weights
+after 10 steps must agree to float rounding; small_cnn has BatchNorm, whose
+statistics GSPMD computes over the whole global batch, as one device does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_train, train_command
+from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
+from tpustream.errors import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+
+TRAIN_SAMPLES = 512  # two of the digits train shards
+STEPS_PER_EPOCH = TRAIN_SAMPLES // 32
+
+
+def common(root: str, out: str, hydra_dir: str, *extra: str) -> list[str]:
+    return [
+        f"data.root={root}",
+        f"data.train_shards='{root}/train/train-{{000000..000001}}.tar'",
+        f"output_dir={out}",
+        "data.num_workers=0",
+        "log_steps=1",
+        "epochs=2",  # in every run: the learning-rate schedule spans them
+        f"hydra.run.dir={hydra_dir}",
+        *extra,
+    ]
+
+
+def spmd(strategy: str) -> list[str]:
+    return [f"strategy={strategy}", "accelerator.num_devices=4", "batch_size=8"]
+
+
+STOPPED_AT_10 = ("debug.stop_at_step=10",)
+STOPPED = PREEMPTED_EXIT_CODE
+
+
+def train(tmp_path_factory, name: str, root: str, *overrides: str, code: int = 0) -> str:
+    folder = tmp_path_factory.mktemp(name)
+    run = str(folder / "run")
+    result = run_train(*common(root, run, str(folder / "h"), "accelerator.in_process=true", *overrides))
+    assert result.returncode == code, result.stderr[-3000:]
+    return run
+
+
+def last(run: str) -> dict:
+    return load_checkpoint(checkpoint_url(run, "last.pt"))
+
+
+@pytest.fixture(scope="module")
+def ddp_10_steps(digits_root, tmp_path_factory) -> str:
+    """ddp on one device, batch 32, stopped after 10 steps: the reference trajectory."""
+    return train(tmp_path_factory, "ddp", digits_root, "batch_size=32", *STOPPED_AT_10, code=STOPPED)
+
+
+@pytest.fixture(scope="module")
+def spmd_10_steps(digits_root, tmp_path_factory) -> str:
+    return train(tmp_path_factory, "spmd10", digits_root, *spmd("spmd"), *STOPPED_AT_10, code=STOPPED)
+
+
+@pytest.fixture(scope="module")
+def spmd_two_epochs(digits_root, tmp_path_factory) -> str:
+    return train(tmp_path_factory, "spmd2", digits_root, *spmd("spmd"))
+
+
+def assert_close_weights(got: dict, want: dict, tolerance: float) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        if tensor.is_floating_point():
+            difference = (got[name] - tensor).abs().max().item()
+            assert difference <= tolerance, f"{name} differs by {difference}"
+        else:
+            assert torch.equal(got[name], tensor), name  # BatchNorm's num_batches_tracked
+
+
+def assert_same_run(run: str, reference: str) -> None:
+    """Bitwise the same weights and optimizer state, the same epoch records."""
+    got, want = last(run), last(reference)
+    assert got["global_step"] == want["global_step"]
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"{name} differs"
+    for a, b in zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    for mine, theirs in zip(read_metrics(run), read_metrics(reference), strict=True):
+        for key in ("val_correct", "val_samples", "train_samples", "replica_steps", "epoch"):
+            assert mine[key] == theirs[key], key
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
+
+
+def test_spmd_on_4_devices_matches_one_device_with_the_global_batch(ddp_10_steps, spmd_10_steps):
+    got, want = last(spmd_10_steps), last(ddp_10_steps)
+    assert got["global_step"] == want["global_step"] == 10
+    assert got["strategy"] == "spmd"
+    # BatchNorm included: its running statistics are compared like the weights.
+    assert any("running_mean" in name for name in want["model"])
+    assert_close_weights(got["model"], want["model"], 1e-5)
+
+
+def test_spmd_fsdp_follows_the_ddp_trajectory(digits_root, tmp_path_factory, ddp_10_steps):
+    run = train(
+        tmp_path_factory,
+        "fsdp10",
+        digits_root,
+        *spmd("spmd_fsdp"),
+        "fsdp_wrap_min_params=1000",
+        *STOPPED_AT_10,
+        code=PREEMPTED_EXIT_CODE,
+    )
+    got, want = last(run), last(ddp_10_steps)
+    # The plain model's keys (no wrapper names): best.pt loads into ddp as it is.
+    assert_close_weights(got["model"], want["model"], 1e-5)
+    # The optimizer state in the plain layout, whole, as ddp's.
+    assert [s["momentum_buffer"].shape for s in got["optimizer"]["state"].values()] == [
+        s["momentum_buffer"].shape for s in want["optimizer"]["state"].values()
+    ]
+
+
+def test_spmd_evaluates_exactly_compiles_once_and_resumes_bitwise(
+    digits_root, tmp_path_factory, spmd_10_steps, spmd_two_epochs
+):
+    records = read_metrics(spmd_two_epochs)
+    assert [r["val_samples"] for r in records] == [359, 359]  # 12 steps of 32, 25 padded and masked
+    assert [r["train_samples"] for r in records] == [TRAIN_SAMPLES] * 2
+    # One train graph and one eval graph: nothing compiles after the first epoch.
+    assert records[0]["compilations"] == records[1]["compilations"]
+    assert last(spmd_two_epochs)["global_step"] == 2 * STEPS_PER_EPOCH
+
+    # The run stopped at step 10 (mid-epoch 0), resumed to the end, equals the straight run.
+    stopped = last(spmd_10_steps)
+    assert (stopped["position"]["epoch"], stopped["position"]["step"]) == (0, 10)
+    folder = tmp_path_factory.mktemp("spmd-resumed")
+    run = str(folder / "run")
+    shutil.copytree(spmd_10_steps, run)  # the stopped run's folder, resumed in a copy of its own
+    in_process = "accelerator.in_process=true"
+    resumed = run_train(*common(digits_root, run, str(folder / "h"), in_process, *spmd("spmd")))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at epoch 0, step 10" in resumed.stderr
+    assert_same_run(run, spmd_two_epochs)
+
+
+def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory):
+    """micro_batches=2 and bf16 too; the replica in a child process, the signal to the whole group."""
+    options = (*spmd("spmd_fsdp"), "fsdp_wrap_min_params=1000", "micro_batches=2", "precision=bf16")
+    straight = train(tmp_path_factory, "fsdp2", digits_root, *options)
+    records = read_metrics(straight)
+    assert records[0]["compilations"] == records[1]["compilations"]
+    assert records[1]["val_accuracy"] > 0.5  # chance is 10%
+
+    folder = tmp_path_factory.mktemp("fsdp-sigterm")
+    run = str(folder / "run")
+    command = train_command(*common(digits_root, run, str(folder / "h1"), *options))
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines, target, deadline = [], STEPS_PER_EPOCH + 5, time.time() + 300
+    for line in process.stderr:
+        lines.append(line)
+        match = re.search(r"Epoch=(\d+) Step=(\d+) Loss", line)
+        if match and int(match.group(1)) * STEPS_PER_EPOCH + int(match.group(2)) >= target:
+            os.killpg(process.pid, signal.SIGTERM)
+            break
+        assert time.time() < deadline, "the run did not reach the target step"
+    lines.extend(process.stderr)
+    assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE, "".join(lines[-40:])
+    saved = last(run)
+    assert saved["strategy"] == "spmd_fsdp" and saved["global_step"] >= target
+
+    in_process = "accelerator.in_process=true"
+    resumed = run_train(*common(digits_root, run, str(folder / "h2"), in_process, *options))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(run, straight)
+
+
+SHARDING_PROBE = r"""
+import json, sys
+import torch
+import torch_xla
+from tpustream.runtime import SpmdRuntime
+from tpustream.training.spmd import shard_model, device_bytes
+from tpustream.models import create_model
+
+runtime = SpmdRuntime("fsdp")
+torch.manual_seed(0)
+model = create_model("wrn_seed", num_classes=10, image_size=32, channels=3)
+total = sum(p.numel() * p.element_size() for p in model.parameters())
+wrapped = shard_model(model.to(runtime.device), runtime.mesh, min_params=int(sys.argv[1]))
+specs = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in wrapped.named_parameters()}
+print(json.dumps({"total": total, "per_device": device_bytes(list(wrapped.parameters())), "specs": specs}))
+"""
+
+
+def test_spmd_fsdp_shards_wrn_seed_four_ways():
+    """The full-size wrn_seed (103M parameters): each device holds a quarter of the weights."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    command = [sys.executable, "-c", SHARDING_PROBE, "1000000"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["total"] > 100_000_000 * 4  # float32 bytes of 103M parameters
+    for name, spec in probe["specs"].items():
+        # Every parameter, wrapped units' and the root's leftovers: split 4 ways along one dimension.
+        assert re.fullmatch(r"\{devices=\[(1,)*4(,1)*\]0,1,2,3\}", spec), (name, spec)
+    assert probe["per_device"] == pytest.approx(probe["total"] / 4, rel=0.001)
