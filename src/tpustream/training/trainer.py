@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from tpustream import checkpoint, observe, preemption
 from tpustream.config import Precision, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
-from tpustream.data.loader import CountingLoader
 from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 from tpustream.training.optim import LRSchedule, build_optimizer, peak_learning_rate, prime_optimizer_state
+from tpustream.training.source import EpochSource
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
@@ -87,8 +87,8 @@ class Trainer:
         config_dict: dict[str, Any],
         runtime: Runtime,
         model: nn.Module,
-        train_loader: CountingLoader,
-        val_loader: CountingLoader,
+        train_loader: EpochSource,
+        val_loader: EpochSource,
         resume_from: ResumeFrom | None = None,
         started_at: float | None = None,
     ):
@@ -110,7 +110,7 @@ class Trainer:
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         self.train_loader = train_loader
         self.val_loader = val_loader
-        self.steps_per_epoch = train_loader.loader.dataset.layout.steps
+        self.steps_per_epoch = train_loader.steps
         self.peak_lr = peak_learning_rate(cfg, runtime.world_size)
         self.schedule = LRSchedule(
             peak=self.peak_lr,
@@ -382,7 +382,7 @@ class Trainer:
         """Train the rest of `epoch` from self.step; raises Preempted after saving if asked to stop."""
         self.model.train()
         start_step = self.step
-        self.train_loader.loader.dataset.set_epoch(epoch, skip_batches=start_step)
+        self.train_loader.set_epoch(epoch, skip_batches=start_step)
         tracker = RateTracker()
         # The master carries the partial sums of a resumed epoch; the epoch's
         # reduction then adds every replica's sums to them exactly once.
@@ -521,7 +521,7 @@ class Trainer:
     def evaluate(self, epoch: int, stoppable: bool = True) -> dict[str, float]:
         """Accuracy over the whole validation split, summed exactly over replicas."""
         self.model.eval()
-        self.val_loader.loader.dataset.set_epoch(epoch)
+        self.val_loader.set_epoch(epoch)
         correct, count, loss_sum = self._device_values(
             (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
