@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 from tpustream.training.optim import LRSchedule, build_optimizer, peak_learning_rate, prime_optimizer_state
 from tpustream.training.source import EpochSource
+from tpustream.training.state import TrainState, capture_rng, restore_rng
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
@@ -75,11 +75,34 @@ class RateTracker:
 ResumeFrom = tuple[dict[str, Any], str]
 
 
+class _Progress:
+    """A Trainer attribute kept in its TrainState (self.epoch is self.train_state.epoch)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Trainer | None, owner: type) -> Any:
+        return self if trainer is None else getattr(trainer.train_state, self.name)
+
+    def __set__(self, trainer: Trainer, value: Any) -> None:
+        setattr(trainer.train_state, self.name, value)
+
+
 class Trainer:
     """One replica's training (strategy=ddp).
 
     Built once per replica; the same code on a TPU pod and in the simulation.
     """
+
+    # The training position and sums: what last.pt saves (training.state).
+    epoch = _Progress()
+    step = _Progress()
+    global_step = _Progress()
+    partial = _Progress()
+    pending_train_metrics = _Progress()
+    best_accuracy = _Progress()
+    best_epoch = _Progress()
+    history = _Progress()
 
     def __init__(
         self,
@@ -95,6 +118,7 @@ class Trainer:
         self.cfg = cfg
         self.config_dict = config_dict
         self.runtime = runtime
+        self.train_state = TrainState()
         if resume_from is not None:
             # The whole model's weights, whichever strategy and world size wrote
             # them; loaded before wrap_model, so a sharding wrapper shards them,
@@ -125,18 +149,6 @@ class Trainer:
         self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
             cfg.log_dir or tempfile.gettempdir(), "unsaved"
         )
-        # The training position: the next batch to train is batch `step` of
-        # epoch `epoch`; step == steps_per_epoch means "trained, not evaluated".
-        self.epoch = 0
-        self.step = 0
-        self.global_step = 0
-        # Reduced sums of the epoch in progress up to `step`, and its train
-        # metrics once its training part is done (both from a checkpoint).
-        self.partial: dict[str, float] | None = None
-        self.pending_train_metrics: dict[str, Any] | None = None
-        self.best_accuracy = -1.0
-        self.best_epoch = -1
-        self.history: list[dict[str, Any]] = []
         self.unsaved: list[str] = []
         self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
         # Process start (train.py) to the first step of this process, once.
@@ -188,73 +200,25 @@ class Trainer:
             "seed": self.cfg.seed,
         }
 
-    def state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What last.pt and best.pt hold now (a collective for sharded strategies)."""
         model_state, optimizer_state = self.model_and_optimizer_state()
-        return {
-            "position": {"epoch": self.epoch, "step": self.step},
-            "epoch": self.epoch - 1,  # the last completed (trained and evaluated) epoch
-            "global_step": self.global_step,
-            "partial": self.partial,
-            "pending_train_metrics": self.pending_train_metrics,
-            "best_accuracy": self.best_accuracy,
-            "best_epoch": self.best_epoch,
-            "history": self.history,
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "strategy": self.cfg.strategy.value,
-            "rng": self._rng_states(),
-            "data_plan": self.data_plan(),
-            "config": self.config_dict,
-            "config_fingerprint": checkpoint.config_fingerprint(self.config_dict),
-        }
-
-    def _rng_states(self) -> dict[str, Any]:
-        numpy_state = np.random.get_state(legacy=False)
-        return {
-            "python": random.getstate(),
-            "numpy": {
-                "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-                "pos": int(numpy_state["state"]["pos"]),
-            },
-            "torch": torch.get_rng_state(),
-            "xla": self.runtime.rng_state(),
-        }
-
-    def _set_rng_states(self, rng: dict[str, Any]) -> None:
-        random.setstate(rng["python"])
-        state = np.random.get_state(legacy=False)
-        state["state"] = {"key": rng["numpy"]["key"].numpy().astype(np.uint32), "pos": rng["numpy"]["pos"]}
-        np.random.set_state(state)
-        torch.set_rng_state(rng["torch"])
-        self.runtime.set_rng_state(int(rng["xla"]))
+        return self.train_state.to_checkpoint(
+            model=model_state,
+            optimizer=optimizer_state,
+            strategy=self.cfg.strategy.value,
+            rng=capture_rng(self.runtime),
+            data_plan=self.data_plan(),
+            config=self.config_dict,
+        )
 
     def restore(self, state: dict[str, Any], source: str) -> None:
         """Everything but the model weights (loaded before wrapping): optimizer, position, RNGs."""
         self.load_optimizer_state(state, source)
-        self.epoch, self.step = int(state["position"]["epoch"]), int(state["position"]["step"])
-        self.global_step = int(state["global_step"])
-        self.partial = state["partial"]
-        self.pending_train_metrics = state["pending_train_metrics"]
-        self.best_accuracy = float(state["best_accuracy"])
-        self.best_epoch = int(state["best_epoch"])
-        self.history = list(state["history"])
-        self._set_rng_states(state["rng"])
-        if 0 < self.step < self.steps_per_epoch and state["data_plan"] != self.data_plan():
-            # The sample order of an epoch depends on replicas x workers x batch:
-            # a position inside it means nothing under another plan.
-            log.warning(
-                "%s stopped at step %d of epoch %d under %s; this run has %s, so epoch %d restarts "
-                "from its first batch (the samples of its first %d steps are seen again)",
-                source,
-                self.step,
-                self.epoch,
-                state["data_plan"],
-                self.data_plan(),
-                self.epoch,
-                self.step,
-            )
-            self.global_step -= self.step
-            self.step, self.partial = 0, None
+        saved = TrainState.from_checkpoint(state)
+        restore_rng(saved.rng, self.runtime)
+        # Only the position and sums: the checkpoint's tensors are not kept.
+        self.train_state = saved.under_data_plan(self.data_plan(), self.steps_per_epoch, source).progress()
         log.info("resumed from %s at epoch %d, step %d", source, self.epoch, self.step)
 
     # -- hooks: the step --------------------------------------------------
@@ -372,9 +336,8 @@ class Trainer:
         }
 
     def _save(self, name: str) -> None:
-        kept = checkpoint.save_checkpoint(
-            self.runtime, checkpoint.checkpoint_url(self.output_dir, name), self.state(), self.fallback_dir
-        )
+        url = checkpoint.checkpoint_url(self.output_dir, name)
+        kept = checkpoint.save_checkpoint(self.runtime, url, self.checkpoint_state(), self.fallback_dir)
         if kept:
             self.unsaved.append(kept)
 
