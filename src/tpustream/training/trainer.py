@@ -30,45 +30,13 @@ from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 from tpustream.training.optim import LRSchedule, build_optimizer, peak_learning_rate, prime_optimizer_state
+from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
 from tpustream.training.source import EpochSource
 from tpustream.training.state import TrainState, capture_rng, restore_rng
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
 log = logging.getLogger("tpustream.training")
-
-
-class RateTracker:
-    """Samples per second: smoothed since the last report, and since the start.
-
-    The same numbers as torch_xla's RateTracker (smoothing 0.4) that users of
-    the reference scripts read, without importing torch_xla here.
-    """
-
-    def __init__(self, smoothing: float = 0.4):
-        self.smoothing = smoothing
-        self.start = self.last = time.time()
-        self.total = self.pending = 0.0
-        self.smoothed: float | None = None
-
-    def add(self, count: float) -> None:
-        self.pending += count
-
-    def rate(self) -> float:
-        now = time.time()
-        if now <= self.last:
-            return self.smoothed or 0.0
-        current = self.pending / (now - self.last)
-        if self.smoothed is not None:
-            current = (1 - self.smoothing) * current + self.smoothing * self.smoothed
-        self.smoothed, self.last = current, now
-        self.total += self.pending
-        self.pending = 0.0
-        return current
-
-    def global_rate(self) -> float:
-        elapsed = time.time() - self.start
-        return (self.total + self.pending) / elapsed if elapsed > 0 else 0.0
 
 
 # (verified checkpoint state, where it was read from)
@@ -150,14 +118,10 @@ class Trainer:
             cfg.log_dir or tempfile.gettempdir(), "unsaved"
         )
         self.unsaved: list[str] = []
-        self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
-        # Process start (train.py) to the first step of this process, once.
-        self.started_at = started_at
-        self.setup_seconds: float | None = None
+        self.reporter = EpochReporter(cfg, runtime, started_at)
         self.replica_rates: list[float] = []
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
-        self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
         self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
         # What this process has run at least once (training, evaluation, an
         # epoch end): the first of each compiles its graphs.
@@ -303,11 +267,6 @@ class Trainer:
         self._ran_once.add(what)
         return first
 
-    def _mark_setup_done(self) -> None:
-        """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
-        if self.setup_seconds is None and self.started_at is not None:
-            self.setup_seconds = time.time() - self.started_at
-
     def _watch_compiles(self, phase: str, step: int, first: bool) -> None:
         """debug.metrics: warn from a step closure if this step compiled and was not expected to."""
         if self.watch is None:
@@ -355,7 +314,7 @@ class Trainer:
         )
         previous_seconds = self.partial["seconds"] if self.partial else 0.0
         previous_filled = self.partial["filled"] if self.partial else 0
-        self._mark_setup_done()
+        self.reporter.mark_setup_done()
         first_loop = self._first_time("train")
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
@@ -372,7 +331,9 @@ class Trainer:
             if self.global_step == self.cfg.debug.stop_at_step:
                 preemption.request_stop()
             if step % self.cfg.log_steps == 0:
-                self.runtime.add_step_closure(self._log_step, (epoch, step, self.global_step, loss, tracker))
+                lr = self.schedule(self.global_step - 1)
+                closure_args = (epoch, step, self.global_step, loss, tracker, lr)
+                self.runtime.add_step_closure(self.reporter.log_step, closure_args)
             sync_every = self.cfg.debug.check_sync_every
             if sync_every and self.global_step % sync_every == 0:
                 self.runtime.add_step_closure(self._check_replicas_in_sync, (self.global_step,))
@@ -456,25 +417,6 @@ class Trainer:
             raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
         log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
 
-    def _log_step(self, epoch: int, step: int, global_step: int, loss: torch.Tensor, tracker) -> None:
-        if not (self.runtime.is_master or log.isEnabledFor(logging.DEBUG)):
-            return
-        value, rate = loss.item(), tracker.rate()
-        log.info(
-            "Training Device=%s Epoch=%d Step=%d Loss=%.5f Rate=%.2f GlobalRate=%.2f",
-            self.device_name,
-            epoch,
-            step,
-            value,
-            rate,
-            tracker.global_rate(),
-        )
-        # The loss of the step that just ran, at the global step it finished.
-        self.tensorboard.scalars(
-            global_step,
-            {"train/loss": value, "train/lr": self.schedule(global_step - 1), "train/rate_master": rate},
-        )
-
     def should_evaluate(self, epoch: int) -> bool:
         """eval_every: every N epochs and after the last; never with 0."""
         every = self.cfg.eval_every
@@ -488,7 +430,7 @@ class Trainer:
         correct, count, loss_sum = self._device_values(
             (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
-        self._mark_setup_done()
+        self.reporter.mark_setup_done()
         first_loop = self._first_time("evaluation")
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
@@ -524,7 +466,7 @@ class Trainer:
         }
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """Record metrics; the master writes best.pt on improvement and last.pt always."""
+        """Record the epoch; the master writes best.pt on improvement and last.pt always."""
         check_epoch(
             epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss, self.bad_shards
         )
@@ -532,33 +474,24 @@ class Trainer:
         improved = evaluated and metrics["val_accuracy"] > self.best_accuracy
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
-        metrics["epoch_seconds"] = metrics["train_seconds"] + metrics.get("val_seconds", 0.0)
         first_end = self._first_time("epoch end")
-        if first_end and self.setup_seconds is not None:
-            metrics["setup_seconds"] = self.setup_seconds
-        self.history.append({"epoch": epoch, "wall_time": time.time(), **metrics})
-        train = (
-            f"Epoch={epoch} train: loss={metrics['train_loss']:.4f} samples={metrics['train_samples']} "
-            f"(replica steps {metrics['replica_steps']}) skipped={metrics['train_filled']} "
-            f"GlobalRate={metrics['global_rate']:.1f} time={metrics['train_seconds']:.1f}s"
+        record = EpochRecord(
+            epoch=epoch,
+            wall_time=time.time(),
+            **metrics,
+            epoch_seconds=metrics["train_seconds"] + metrics.get("val_seconds", 0.0),
+            setup_seconds=self.reporter.setup_seconds if first_end else None,
         )
-        val = (
-            f"val: accuracy={100 * metrics['val_accuracy']:.2f}% ({metrics['val_correct']}/"
-            f"{metrics['val_samples']}) loss={metrics['val_loss']:.4f} skipped={metrics['val_filled']} | "
-            f"best={100 * self.best_accuracy:.2f}% (epoch {self.best_epoch})"
-            if evaluated
-            else "val: not this epoch (eval_every)"
+        self.history.append(record.to_dict())
+        self.reporter.report_epoch(
+            record, self.best_accuracy, self.best_epoch, self.global_step, self.replica_rates
         )
-        # Every replica computes the same reduced numbers; one line per epoch is enough.
-        (log.info if self.runtime.is_master else log.debug)("%s | %s", train, val)
-        self._record_epoch_scalars(metrics)
         self.epoch, self.step = epoch + 1, 0
         self.pending_train_metrics = None
         if improved:
             self._save(checkpoint.BEST)
         self._save(checkpoint.LAST)
-        if self.runtime.is_master:
-            self._write_run_file(checkpoint.write_metrics, self.history)
+        self.reporter.write_history(self.history)
         if self.watch is not None:
             # The first epoch's end compiles its reductions and checkpoint copies.
             if first_end:
@@ -566,40 +499,6 @@ class Trainer:
             self.watch.check(epoch, "end of epoch")
             if self.runtime.is_master:
                 log.info("epoch %d: %s", epoch, observe.xla_metrics_summary())
-
-    def _record_epoch_scalars(self, metrics: dict[str, Any]) -> None:
-        """TensorBoard at the epoch's last global step (master only; others hold a null log)."""
-        values = {
-            "epoch/train_loss": metrics["train_loss"],
-            "epoch/lr": metrics["lr"],
-            "epoch/seconds": metrics["epoch_seconds"],
-            "rate/global": metrics["global_rate"],
-            "xla/compilations": metrics["compilations"],
-        }
-        values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(self.replica_rates)})
-        if "val_accuracy" in metrics:
-            values.update(
-                {"epoch/val_accuracy": metrics["val_accuracy"], "epoch/val_loss": metrics["val_loss"]}
-            )
-        self.tensorboard.scalars(self.global_step, values)
-        self.tensorboard.sync()
-
-    def _write_run_file(self, writer, content) -> None:
-        """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""
-        try:
-            writer(self.output_dir, content)
-        except StorageError as exc:
-            log.warning("could not update the run folder (%s); the checkpoints hold the same data", exc)
-
-    def _open_tensorboard(self) -> None:
-        if not (self.runtime.is_master and self.cfg.tensorboard):
-            return
-        staging = os.path.join(self.cfg.log_dir, "tensorboard") if self.cfg.log_dir else None
-        # A resumed run writes again the steps after its checkpoint's; TensorBoard
-        # hides what the interrupted run wrote for them.
-        self.tensorboard = observe.TensorBoardLog(
-            self.output_dir, staging, purge_step=self.global_step + 1 if self.global_step else None
-        )
 
     def fit(self) -> dict[str, Any]:
         if self.cfg.eval_only:
@@ -614,25 +513,24 @@ class Trainer:
             )
             self.runtime.wait_device_ops()
             return {"eval": metrics}
-        if self.runtime.is_master:
-            self._write_run_file(checkpoint.write_config, self.config_dict)
-            if self.cfg.optim.reference_batch_size:
-                log.info(
-                    "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
-                    "after %d warmup steps",
-                    self.peak_lr,
-                    self.cfg.optim.lr,
-                    self.cfg.batch_size * self.runtime.world_size,
-                    self.cfg.optim.reference_batch_size,
-                    self.schedule.warmup_steps,
-                )
+        self.reporter.write_config(self.config_dict)
+        if self.runtime.is_master and self.cfg.optim.reference_batch_size:
+            log.info(
+                "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
+                "after %d warmup steps",
+                self.peak_lr,
+                self.cfg.optim.lr,
+                self.cfg.batch_size * self.runtime.world_size,
+                self.cfg.optim.reference_batch_size,
+                self.schedule.warmup_steps,
+            )
         if self.epoch >= self.cfg.epochs:
             log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.epoch)
-        self._open_tensorboard()
+        self.reporter.open(self.global_step)
         try:
             self._run_epochs()
         finally:
-            self.tensorboard.close()
+            self.reporter.close()
         self.runtime.wait_device_ops()
         if self.unsaved:
             raise StorageError(
