@@ -69,7 +69,7 @@ def test_metrics_jsonl_reads_back_as_records(tmp_path):
 
 
 def test_the_epoch_line_reads_as_before(tmp_path, caplog):
-    reporter = EpochReporter(tiny_config(str(tmp_path)), FakeRuntime(FakeWorld(1), 0))
+    reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
     unevaluated = EpochRecord.from_dict({k: v for k, v in LINE.items() if k not in VAL_KEYS})
     with caplog.at_level(logging.INFO, logger="tpustream.training"):
         reporter.report_epoch(EpochRecord.from_dict(LINE), 0.1671309192200557, 1, 24, [38.3])

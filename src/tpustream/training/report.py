@@ -117,8 +117,11 @@ class RateTracker:
 class EpochReporter:
     """One replica's log lines and, on the master, TensorBoard scalars and the run folder's files."""
 
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, started_at: float | None = None):
+    def __init__(
+        self, cfg: TrainConfig, config_dict: dict[str, Any], runtime: Runtime, started_at: float | None = None
+    ):
         self.cfg = cfg
+        self.config_dict = config_dict
         self.runtime = runtime
         self.output_dir = cfg.output_dir
         self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
@@ -131,6 +134,33 @@ class EpochReporter:
         """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
         if self.setup_seconds is None and self.started_at is not None:
             self.setup_seconds = time.time() - self.started_at
+
+    def report_run_start(self, peak_lr: float, warmup_steps: int) -> None:
+        """config.yaml, and the learning rate the linear scaling rule chose (master only)."""
+        if not self.runtime.is_master:
+            return
+        self._write_run_file(checkpoint.write_config, self.config_dict)
+        if self.cfg.optim.reference_batch_size:
+            log.info(
+                "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
+                "after %d warmup steps",
+                peak_lr,
+                self.cfg.optim.lr,
+                self.cfg.batch_size * self.runtime.world_size,
+                self.cfg.optim.reference_batch_size,
+                warmup_steps,
+            )
+
+    def report_evaluation(self, epoch: int, metrics: Mapping[str, Any]) -> None:
+        """eval_only: the checkpoint's evaluation (every replica)."""
+        log.info(
+            "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
+            epoch,
+            100 * metrics["val_accuracy"],
+            metrics["val_correct"],
+            metrics["val_samples"],
+            metrics["val_loss"],
+        )
 
     def open(self, global_step: int) -> None:
         """Start the TensorBoard log (master only, with cfg.tensorboard)."""
@@ -206,11 +236,6 @@ class EpochReporter:
         """metrics.jsonl, from the master."""
         if self.runtime.is_master:
             self._write_run_file(checkpoint.write_metrics, history)
-
-    def write_config(self, config_dict: dict[str, Any]) -> None:
-        """config.yaml, from the master."""
-        if self.runtime.is_master:
-            self._write_run_file(checkpoint.write_config, config_dict)
 
     def _write_run_file(self, writer: Callable[[str, Any], None], content: Any) -> None:
         """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""

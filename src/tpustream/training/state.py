@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
+import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,8 @@ import numpy as np
 import torch
 
 from tpustream import checkpoint
+from tpustream.config import TrainConfig
+from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 
 # The package's name, not this module's: log lines read "tpustream.training" as
@@ -141,6 +146,103 @@ class TrainState:
             self.step,
         )
         return dataclasses.replace(self, global_step=self.global_step - self.step, step=0, partial=None)
+
+
+def device_values(device: torch.device, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
+    """Metric accumulators of shape (1,), made on the host and copied over.
+
+    torch.zeros(device=xla), or a 0-dim host zero copied over, is a
+    constant in the next graph rather than data, and fused with whatever
+    else was pending it compiled once more in epoch 1. A copied (1,)
+    tensor is device data and compiles nothing.
+    """
+    return [torch.tensor([value], dtype=dtype).to(device) for value, dtype in values]
+
+
+class EpochSums:
+    """One replica's running sums of the epoch in progress, on its device, from a checkpoint's partial sums.
+
+    The master carries the partial sums of a resumed epoch; the epoch's
+    reduction then adds every replica's sums to them exactly once.
+    """
+
+    def __init__(self, partial: dict[str, float] | None, runtime: Runtime):
+        base = partial if (partial and runtime.is_master) else None
+        self.loss_sum, self.real_count = device_values(
+            runtime.device,
+            (base["loss_sum"] if base else 0.0, torch.float32),
+            (base["count"] if base else 0, torch.int32),
+        )
+        self.previous_seconds = partial["seconds"] if partial else 0.0
+        self.previous_filled = partial["filled"] if partial else 0
+        self.runtime = runtime
+        self.start = time.time()
+
+    def add(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        """A step's mean loss over the replica batch, and the batch's real samples."""
+        self.loss_sum += loss * batch["label"].shape[0]
+        self.real_count += (batch["real"] > 0).sum().int()
+
+    def seconds(self) -> float:
+        """Training time of the epoch so far, before a resume included."""
+        return self.previous_seconds + time.time() - self.start
+
+    def reduced_partial(self, filled: int, tag: str) -> dict[str, float]:
+        """The epoch's sums so far over all replicas (a collective), for a mid-epoch checkpoint.
+
+        The master's accumulators already hold the sums from before a resume,
+        so the all-reduce covers the whole epoch so far. 'filled' counts the
+        batches the loader handed out, which may run a few prefetched batches
+        ahead of training; it is a report of bad data, not used for training.
+        """
+        loss_total, count_total = self.runtime.all_reduce_sum([self.loss_sum, self.real_count])
+        (filled_total,) = self.runtime.reduce_host_sum(tag, [filled])
+        return {
+            "loss_sum": float(loss_total.item()),
+            "count": int(count_total.item()),
+            "filled": int(filled_total) + self.previous_filled,
+            "seconds": self.seconds(),
+        }
+
+
+class ProgressAttribute:
+    """An attribute kept in its owner's TrainState (trainer.epoch is trainer.train_state.epoch)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, owner_object: Any, owner: type) -> Any:
+        return self if owner_object is None else getattr(owner_object.train_state, self.name)
+
+    def __set__(self, owner_object: Any, value: Any) -> None:
+        setattr(owner_object.train_state, self.name, value)
+
+
+class CheckpointWriter:
+    """best.pt and last.pt of a run folder; what storage refused is kept locally and named at the end."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime):
+        self.runtime = runtime
+        self.output_dir = cfg.output_dir
+        self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
+            cfg.log_dir or tempfile.gettempdir(), "unsaved"
+        )
+        self.unsaved: list[str] = []
+
+    def save(self, name: str, content: dict[str, Any]) -> None:
+        """Write checkpoint `name` (every replica calls this; the master writes)."""
+        url = checkpoint.checkpoint_url(self.output_dir, name)
+        kept = checkpoint.save_checkpoint(self.runtime, url, content, self.fallback_dir)
+        if kept:
+            self.unsaved.append(kept)
+
+    def raise_if_unsaved(self) -> None:
+        """At the end of a run: training went on past failed writes; the run must not look successful."""
+        if self.unsaved:
+            raise StorageError(
+                f"{len(self.unsaved)} checkpoint(s) could not be written to {self.output_dir}; "
+                f"kept locally: {', '.join(self.unsaved)}"
+            )
 
 
 def capture_rng(runtime: Runtime) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Built once per replica. The step function touches only device tensors; the
 loss is read on the host only at logging steps (through a step closure, after
-the step has run) and metrics are reduced once per epoch. Subclasses change
+the step has run) and metrics are reduced once per epoch. What a checkpoint
+holds is ``state``'s, what an epoch reports is ``report``'s, the debug checks
+are ``debug``'s; this module is the loop and its hooks. Subclasses change
 one hook (``wrap_model``, ``run_optimizer``, ``model_and_optimizer_state``, ...) to make a
 variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=fsdp``).
 """
@@ -10,29 +12,33 @@ variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpustream import checkpoint, observe, preemption
+from tpustream import checkpoint, preemption
 from tpustream.config import Precision, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
 from tpustream.epoch_checks import check_epoch, first_distinct
-from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
-from tpustream.training.optim import LRSchedule, build_optimizer, peak_learning_rate, prime_optimizer_state
+from tpustream.training.debug import DebugChecks
+from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
 from tpustream.training.source import EpochSource
-from tpustream.training.state import TrainState, capture_rng, restore_rng
+from tpustream.training.state import (
+    CheckpointWriter,
+    EpochSums,
+    ProgressAttribute,
+    TrainState,
+    capture_rng,
+    device_values,
+    restore_rng,
+)
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
@@ -43,19 +49,6 @@ log = logging.getLogger("tpustream.training")
 ResumeFrom = tuple[dict[str, Any], str]
 
 
-class _Progress:
-    """A Trainer attribute kept in its TrainState (self.epoch is self.train_state.epoch)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, trainer: Trainer | None, owner: type) -> Any:
-        return self if trainer is None else getattr(trainer.train_state, self.name)
-
-    def __set__(self, trainer: Trainer, value: Any) -> None:
-        setattr(trainer.train_state, self.name, value)
-
-
 class Trainer:
     """One replica's training (strategy=ddp).
 
@@ -63,14 +56,14 @@ class Trainer:
     """
 
     # The training position and sums: what last.pt saves (training.state).
-    epoch = _Progress()
-    step = _Progress()
-    global_step = _Progress()
-    partial = _Progress()
-    pending_train_metrics = _Progress()
-    best_accuracy = _Progress()
-    best_epoch = _Progress()
-    history = _Progress()
+    epoch = ProgressAttribute()
+    step = ProgressAttribute()
+    global_step = ProgressAttribute()
+    partial = ProgressAttribute()
+    pending_train_metrics = ProgressAttribute()
+    best_accuracy = ProgressAttribute()
+    best_epoch = ProgressAttribute()
+    history = ProgressAttribute()
 
     def __init__(
         self,
@@ -103,26 +96,13 @@ class Trainer:
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.steps_per_epoch = train_loader.steps
-        self.peak_lr = peak_learning_rate(cfg, runtime.world_size)
-        self.schedule = LRSchedule(
-            peak=self.peak_lr,
-            warmup_steps=max(1, round(cfg.optim.warmup_epochs * self.steps_per_epoch)),
-            total_steps=cfg.epochs * self.steps_per_epoch,
-            kind=cfg.optim.schedule,
-            min_ratio=cfg.optim.min_lr_ratio,
-            decay_every_steps=max(1, round(cfg.optim.decay_every_epochs * self.steps_per_epoch)),
-            decay_factor=cfg.optim.decay_factor,
-        )
-        self.output_dir = cfg.output_dir
-        self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
-            cfg.log_dir or tempfile.gettempdir(), "unsaved"
-        )
-        self.unsaved: list[str] = []
-        self.reporter = EpochReporter(cfg, runtime, started_at)
+        self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size)
+        self.checkpoints = CheckpointWriter(cfg, runtime)
+        self.reporter = EpochReporter(cfg, config_dict, runtime, started_at)
         self.replica_rates: list[float] = []
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
-        self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
+        self.debug = DebugChecks(cfg.debug, runtime)
         # What this process has run at least once (training, evaluation, an
         # epoch end): the first of each compiles its graphs.
         self._ran_once: set[str] = set()
@@ -243,16 +223,6 @@ class Trainer:
         return total
 
     # -- loops ------------------------------------------------------------
-    def _device_values(self, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
-        """Metric accumulators of shape (1,), made on the host and copied over.
-
-        torch.zeros(device=xla), or a 0-dim host zero copied over, is a
-        constant in the next graph rather than data, and fused with whatever
-        else was pending it compiled once more in epoch 1. A copied (1,)
-        tensor is device data and compiles nothing.
-        """
-        return [torch.tensor([value], dtype=dtype).to(self.runtime.device) for value, dtype in values]
-
     def _stop_agreed(self) -> bool:
         """Whether any replica received a stop request; every replica gets the same answer."""
         local = preemption.stop_requested()
@@ -267,38 +237,8 @@ class Trainer:
         self._ran_once.add(what)
         return first
 
-    def _watch_compiles(self, phase: str, step: int, first: bool) -> None:
-        """debug.metrics: warn from a step closure if this step compiled and was not expected to."""
-        if self.watch is None:
-            return
-        if first:
-            self.watch.expect_compile()
-        self.runtime.add_step_closure(self.watch.check, (step, phase))
-
-    def _reduced_partial(
-        self, loss_sum: torch.Tensor, count: torch.Tensor, filled_before: int, seconds: float
-    ) -> dict[str, float]:
-        """The epoch's sums so far over all replicas (a collective), for a mid-epoch checkpoint.
-
-        The master's accumulators already hold the sums from before a resume,
-        so the all-reduce covers the whole epoch so far. 'filled' counts the
-        batches the loader handed out, which may run a few prefetched batches
-        ahead of training; it is a report of bad data, not used for training.
-        """
-        loss_total, count_total = self.runtime.all_reduce_sum([loss_sum, count])
-        (filled,) = self.runtime.reduce_host_sum(f"partial-{self.global_step}", [self.train_loader.filled])
-        return {
-            "loss_sum": float(loss_total.item()),
-            "count": int(count_total.item()),
-            "filled": int(filled) + filled_before,
-            "seconds": seconds,
-        }
-
     def _save(self, name: str) -> None:
-        url = checkpoint.checkpoint_url(self.output_dir, name)
-        kept = checkpoint.save_checkpoint(self.runtime, url, self.checkpoint_state(), self.fallback_dir)
-        if kept:
-            self.unsaved.append(kept)
+        self.checkpoints.save(name, self.checkpoint_state())
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """Train the rest of `epoch` from self.step; raises Preempted after saving if asked to stop."""
@@ -306,57 +246,39 @@ class Trainer:
         start_step = self.step
         self.train_loader.set_epoch(epoch, skip_batches=start_step)
         tracker = RateTracker()
-        # The master carries the partial sums of a resumed epoch; the epoch's
-        # reduction then adds every replica's sums to them exactly once.
-        base = self.partial if (self.partial and self.runtime.is_master) else None
-        loss_sum, real_count = self._device_values(
-            (base["loss_sum"] if base else 0.0, torch.float32), (base["count"] if base else 0, torch.int32)
-        )
-        previous_seconds = self.partial["seconds"] if self.partial else 0.0
-        previous_filled = self.partial["filled"] if self.partial else 0
         self.reporter.mark_setup_done()
         first_loop = self._first_time("train")
-        start = time.time()
+        sums = EpochSums(self.partial, self.runtime)
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
         save_every = self.cfg.checkpoint.every_n_steps
         for index, batch in enumerate(self.runtime.device_loader(self.train_loader)):
             step = start_step + index
             loss = self.step_fn(batch)
-            batch_size = batch["label"].shape[0]
-            loss_sum += loss * batch_size
-            real_count += (batch["real"] > 0).sum().int()
-            tracker.add(batch_size)
+            sums.add(loss, batch)
+            tracker.add(batch["label"].shape[0])
             self.global_step += 1
-            self._watch_compiles("train", step, first=first_loop and index == 0)
-            if self.global_step == self.cfg.debug.stop_at_step:
-                preemption.request_stop()
+            self.debug.watch_compiles("train", step, first=first_loop and index == 0)
+            self.debug.after_train_step(self.model, self.global_step)
             if step % self.cfg.log_steps == 0:
                 lr = self.schedule(self.global_step - 1)
                 closure_args = (epoch, step, self.global_step, loss, tracker, lr)
                 self.runtime.add_step_closure(self.reporter.log_step, closure_args)
-            sync_every = self.cfg.debug.check_sync_every
-            if sync_every and self.global_step % sync_every == 0:
-                self.runtime.add_step_closure(self._check_replicas_in_sync, (self.global_step,))
             if step + 1 == self.steps_per_epoch:
                 continue  # the epoch's end saves and checks for stop requests
             stop = (index + 1) % check_every == 0 and self._stop_agreed()
             if stop or (save_every and self.global_step % save_every == 0):
                 # A snapshot: the accumulators keep running either way.
-                self.partial = self._reduced_partial(
-                    loss_sum, real_count, previous_filled, previous_seconds + time.time() - start
-                )
+                self.partial = sums.reduced_partial(self.train_loader.filled, f"partial-{self.global_step}")
                 self.epoch, self.step = epoch, step + 1
                 self._save(checkpoint.LAST)
                 if stop:
                     raise preemption.Preempted(f"stopped at epoch {epoch}, step {step + 1}")
         self.train_loader.raise_if_incomplete("train")
         self.average_buffers()
-        if self.cfg.debug.check_sync_every:
-            self._check_replicas_in_sync(self.global_step, include_buffers=True)
-        if self.cfg.debug.sample_log_dir:
-            self._write_sample_log(epoch, start_step)
-        seconds = time.time() - start + previous_seconds
-        loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
+        sample_ids = self.train_loader.sample_ids
+        self.debug.after_train_epoch(self.model, self.global_step, epoch, start_step, sample_ids)
+        seconds = sums.seconds()
+        loss_total, count = self.runtime.all_reduce_sum([sums.loss_sum, sums.real_count])
         per_replica = self.runtime.all_gather_host(
             f"train-epoch-{epoch}",
             (tracker.global_rate(), self.train_loader.filled, self.train_loader.bad_shards),
@@ -372,19 +294,9 @@ class Trainer:
             "replica_steps": self.steps_per_epoch,
             "train_seconds": seconds,
             "global_rate": sum(self.replica_rates),
-            "train_filled": sum(filled for _, filled, _ in per_replica) + previous_filled,
+            "train_filled": sum(filled for _, filled, _ in per_replica) + sums.previous_filled,
             "lr": self.schedule(self.global_step - 1),
         }
-
-    def _write_sample_log(self, epoch: int, start_step: int) -> None:
-        folder = self.cfg.debug.sample_log_dir
-        os.makedirs(folder, exist_ok=True)
-        ids = self.train_loader.sample_ids
-        suffix = f"-from{start_step:05d}" if start_step else ""
-        np.save(
-            os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}{suffix}.npy"),
-            np.concatenate(ids) if ids else np.empty(0, np.int64),
-        )
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics (floating buffers) over replicas.
@@ -400,23 +312,6 @@ class Trainer:
         for buffer, total in zip(buffers, self.runtime.all_reduce_sum(buffers), strict=True):
             buffer.copy_(total / self.runtime.world_size)
 
-    def _check_replicas_in_sync(self, step: int, include_buffers: bool = False) -> None:
-        """Stop if replicas hold different parameters.
-
-        Called as a step closure during the epoch (tensors are computed by
-        then); buffers are compared only after average_buffers, since
-        BatchNorm statistics legitimately differ within an epoch.
-        """
-        digest = hashlib.sha256()
-        tensors = (*self.model.parameters(), *(self.model.buffers() if include_buffers else ()))
-        for tensor in tensors:
-            digest.update(tensor.detach().cpu().numpy().tobytes())
-        fingerprints = self.runtime.all_gather_host(f"sync-{step}", digest.hexdigest())
-        if len(set(fingerprints)) > 1:
-            # Every replica sees the same list, so all of them stop here together.
-            raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
-        log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
-
     def should_evaluate(self, epoch: int) -> bool:
         """eval_every: every N epochs and after the last; never with 0."""
         every = self.cfg.eval_every
@@ -427,8 +322,8 @@ class Trainer:
         """Accuracy over the whole validation split, summed exactly over replicas."""
         self.model.eval()
         self.val_loader.set_epoch(epoch)
-        correct, count, loss_sum = self._device_values(
-            (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
+        correct, count, loss_sum = device_values(
+            self.runtime.device, (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
         self.reporter.mark_setup_done()
         first_loop = self._first_time("evaluation")
@@ -443,7 +338,7 @@ class Trainer:
             loss_sum += (
                 F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
             ).sum()
-            self._watch_compiles("evaluation", index, first=first_loop and index == 0)
+            self.debug.watch_compiles("evaluation", index, first=first_loop and index == 0)
             if stoppable and (index + 1) % check_every == 0 and self._stop_agreed():
                 # The epoch's training is saved with it; evaluation reruns on resume.
                 self._save(checkpoint.LAST)
@@ -492,38 +387,15 @@ class Trainer:
             self._save(checkpoint.BEST)
         self._save(checkpoint.LAST)
         self.reporter.write_history(self.history)
-        if self.watch is not None:
-            # The first epoch's end compiles its reductions and checkpoint copies.
-            if first_end:
-                self.watch.expect_compile()
-            self.watch.check(epoch, "end of epoch")
-            if self.runtime.is_master:
-                log.info("epoch %d: %s", epoch, observe.xla_metrics_summary())
+        self.debug.at_epoch_end(epoch, first_end)
 
     def fit(self) -> dict[str, Any]:
         if self.cfg.eval_only:
             metrics = self.evaluate(max(self.epoch - 1, 0), stoppable=False)
-            log.info(
-                "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
-                self.epoch - 1,
-                100 * metrics["val_accuracy"],
-                metrics["val_correct"],
-                metrics["val_samples"],
-                metrics["val_loss"],
-            )
+            self.reporter.report_evaluation(self.epoch - 1, metrics)
             self.runtime.wait_device_ops()
             return {"eval": metrics}
-        self.reporter.write_config(self.config_dict)
-        if self.runtime.is_master and self.cfg.optim.reference_batch_size:
-            log.info(
-                "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
-                "after %d warmup steps",
-                self.peak_lr,
-                self.cfg.optim.lr,
-                self.cfg.batch_size * self.runtime.world_size,
-                self.cfg.optim.reference_batch_size,
-                self.schedule.warmup_steps,
-            )
+        self.reporter.report_run_start(self.schedule.peak, self.schedule.warmup_steps)
         if self.epoch >= self.cfg.epochs:
             log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.epoch)
         self.reporter.open(self.global_step)
@@ -532,11 +404,7 @@ class Trainer:
         finally:
             self.reporter.close()
         self.runtime.wait_device_ops()
-        if self.unsaved:
-            raise StorageError(
-                f"{len(self.unsaved)} checkpoint(s) could not be written to {self.output_dir}; "
-                f"kept locally: {', '.join(self.unsaved)}"
-            )
+        self.checkpoints.raise_if_unsaved()
         return {"best_accuracy": self.best_accuracy, "best_epoch": self.best_epoch, "history": self.history}
 
     def _run_epochs(self) -> None:
