@@ -92,7 +92,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: it imports torch, which must not load before a measurement
+    from tpustream.training.report import EpochRecord
 
 REPO = Path(__file__).resolve().parent.parent
 HORIZONS = (10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -313,10 +316,10 @@ def default_name(cfg: Any) -> str:
 # ---------------------------------------------------------------- statistics
 
 
-def epoch_seconds(record: dict[str, Any]) -> float:
-    if "epoch_seconds" in record:
-        return float(record["epoch_seconds"])
-    return float(record["train_seconds"]) + float(record.get("val_seconds", 0.0))
+def epoch_seconds(record: EpochRecord) -> float:
+    if record.epoch_seconds is not None:
+        return record.epoch_seconds
+    return record.train_seconds + (record.val_seconds or 0.0)
 
 
 def project_total(setup: float, epoch1: float, mean: float, epochs: int) -> float:
@@ -327,28 +330,28 @@ def project_total(setup: float, epoch1: float, mean: float, epochs: int) -> floa
 
 
 def summarize(
-    records: Sequence[dict[str, Any]], process_seconds: float | None = None, launched_at: float | None = None
+    records: Sequence[EpochRecord], process_seconds: float | None = None, launched_at: float | None = None
 ) -> dict[str, Any]:
-    """Set-up, epoch 1, mean/std of epochs 2+, samples/s, compilations from metrics.jsonl lines.
+    """Set-up, epoch 1, mean/std of epochs 2+, samples/s, compilations from metrics.jsonl records.
 
     process_seconds (the run's wall time) and launched_at (time.time() when it
     was started) are for measuring set-up when train.py does not report it.
     """
     if not records:
         raise ValueError("no epochs in metrics.jsonl")
-    records = sorted(records, key=lambda r: r["epoch"])
+    records = sorted(records, key=lambda r: r.epoch)
     times = [epoch_seconds(r) for r in records]
     later = times[1:]
-    if "setup_seconds" in records[0]:
-        setup, setup_method = float(records[0]["setup_seconds"]), "reported"
-    elif launched_at is not None and "wall_time" in records[0]:
-        setup, setup_method = float(records[0]["wall_time"]) - times[0] - launched_at, "wall_time"
+    if records[0].setup_seconds is not None:
+        setup, setup_method = records[0].setup_seconds, "reported"
+    elif launched_at is not None:
+        setup, setup_method = records[0].wall_time - times[0] - launched_at, "wall_time"
     elif process_seconds is not None:
         setup, setup_method = process_seconds - sum(times), "process"
     else:
         setup, setup_method = math.nan, "unknown"
-    train_samples = sum(float(r.get("train_samples", math.nan)) for r in records[1:])
-    train_seconds = sum(float(r.get("train_seconds", math.nan)) for r in records[1:])
+    train_samples = sum(r.train_samples for r in records[1:])
+    train_seconds = sum(r.train_seconds for r in records[1:])
     mean = statistics.fmean(later) if later else math.nan
     summary = {
         "epochs": len(records),
@@ -357,10 +360,12 @@ def summarize(
         "epoch1_s": times[0],
         "mean_s": mean,
         "std_s": statistics.stdev(later) if len(later) >= 2 else math.nan,
-        "epoch_time_method": "epoch_seconds" if all("epoch_seconds" in r for r in records) else "train+val",
+        "epoch_time_method": (
+            "epoch_seconds" if all(r.epoch_seconds is not None for r in records) else "train+val"
+        ),
         "samples_per_s": train_samples / train_seconds if later and train_seconds > 0 else math.nan,
-        "compilations": int(records[-1]["compilations"]) if "compilations" in records[-1] else None,
-        "compilations_epoch1": int(records[0]["compilations"]) if "compilations" in records[0] else None,
+        "compilations": records[-1].compilations,
+        "compilations_epoch1": records[0].compilations,
         "process_s": math.nan if process_seconds is None else process_seconds,
         "overhead_s": math.nan if process_seconds is None else process_seconds - setup - sum(times),
         "epoch_seconds": times,
@@ -450,9 +455,9 @@ def run_one(spec: RunSpec, folder: Path, timeout: float | None, keep_checkpoints
     result.stderr_tail = tail(stderr)
     result.stdout_tail = tail(folder / "stdout.log", STDOUT_TAIL_LINES)
     result.deserialize_failures = stderr.read_text(errors="replace").count(DESERIALIZE_FAILURE)
-    from tpustream.checkpoint import read_metrics  # after the measurements: it imports torch
+    from tpustream.training.report import read_epoch_records  # after the measurements: it imports torch
 
-    records = read_metrics(str(folder))
+    records = read_epoch_records(str(folder))
     if result.returncode is None:
         result.error = f"timed out after {timeout:g} s"
     elif result.returncode != 0:
@@ -492,8 +497,8 @@ def collect_runs(folders: Sequence[Path]) -> tuple[list[RunResult], Any]:
     """
     from omegaconf import OmegaConf
 
-    from tpustream.checkpoint import read_metrics
     from tpustream.errors import TpustreamError
+    from tpustream.training.report import read_epoch_records
 
     jobs = sorted({path.parent.parent for folder in folders for path in folder.rglob(".hydra/config.yaml")})
     if not jobs:
@@ -517,7 +522,7 @@ def collect_runs(folders: Sequence[Path]) -> tuple[list[RunResult], Any]:
         spec = RunSpec(name, int(cfg.batch_size), settings, "off", tuple(overrides))
         result = RunResult(spec, ["python", "train.py", *overrides], job, returncode=0)
         try:
-            records = read_metrics(run_folder)
+            records = read_epoch_records(run_folder)
         except TpustreamError as exc:  # an unreachable bucket: the run is reported, not the sweep
             records, result.error = [], f"no metrics: {exc}"
         if records:

@@ -22,6 +22,7 @@ from tpustream import storage
 from tpustream.checkpoint import BEST, checkpoint_url, load_checkpoint
 from tpustream.data.make_shards import main as make_shards_main
 from tpustream.emulator import GcsEmulator
+from tpustream.training.report import EpochRecord
 
 BUCKET = "tpustream-demo"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,11 +54,11 @@ def main() -> int:
                 print(f"  {url}  ({len(storage.read_bytes(url)):,} bytes)")
         best_url = checkpoint_url(run, BEST)
         best = load_checkpoint(best_url)
-        history = {m["epoch"]: m for m in best["history"]}
-        metrics = history[best["epoch"]]
+        history = {r.epoch: r for r in map(EpochRecord.from_dict, best["history"])}
+        record = history[best["epoch"]]
         print(
             f"\n{best_url}: epoch {best['epoch']}, test accuracy "
-            f"{100 * best['best_accuracy']:.2f}% ({metrics['val_correct']}/{metrics['val_samples']} "
+            f"{100 * best['best_accuracy']:.2f}% ({record.val_correct}/{record.val_samples} "
             f"digits images); demo took {time.time() - started:.0f} s",
             flush=True,
         )

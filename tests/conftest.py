@@ -1,7 +1,8 @@
-"""Shared fixtures: the GCS emulator, digits shards, hand-made tar shards, Hydra composition."""
+"""Shared fixtures: GCS emulator, digits shards, hand-made tar shards, Hydra composition, fake replicas."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -10,7 +11,9 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -208,3 +211,68 @@ def write_wds_shards(
             image = Image.fromarray(solid_image(i % 256, size).transpose(1, 2, 0))
             sink.write({"__key__": f"{i:07d}", image_field: image, "cls": i % 10})
     return sorted(os.listdir(folder))
+
+
+@dataclass
+class FakeJob:
+    """What a simulated job left: per replica, fit()'s result or the exception it raised, and its trainer."""
+
+    results: list[Any]
+    trainers: list[Any]
+    world: Any
+
+    @property
+    def master(self):
+        return self.trainers[0]
+
+
+@pytest.fixture
+def fake_job(monkeypatch):
+    """Run the trainer on world_size replica threads on the CPU (tests/fake_runtime.py).
+
+    fake_job(cfg, world_size=2, resume_from=(state, url), stop_at=(rank, split, epoch, batch),
+    trainer_class=Trainer) -> FakeJob. Eager only: never in a process that runs XLA backward.
+    """
+    from tests.fake_runtime import FakeWorld, MemorySource, run_replicas, tiny_model, tiny_split
+    from tpustream import preemption
+    from tpustream.training import make_trainer
+
+    train_data, val_data = tiny_split(96, seed=1), tiny_split(18, seed=2)
+
+    def run(cfg, world_size: int = 1, resume_from=None, stop_at=None, trainer_class=None) -> FakeJob:
+        world = FakeWorld(world_size)
+        monkeypatch.setattr(preemption, "stop_requested", world.stop_requested)
+        monkeypatch.setattr(preemption, "request_stop", world.request_stop)
+        # Built here, not on the replica threads, which would share torch's seeded generator.
+        models = [tiny_model() for _ in range(world_size)]
+        trainers: list[Any] = [None] * world_size
+
+        def replica(runtime):
+            def source(split: str, data, shuffle: bool) -> MemorySource:
+                stop = stop_at[2:] if stop_at and stop_at[:2] == (runtime.rank, split) else None
+                return MemorySource(
+                    *data,
+                    batch_size=cfg.batch_size,
+                    rank=runtime.rank,
+                    world_size=world_size,
+                    shuffle=shuffle,
+                    seed=cfg.seed,
+                    stop_at_batch=stop,
+                )
+
+            build = trainer_class or make_trainer
+            args = (cfg, {"seed": cfg.seed, "batch_size": cfg.batch_size}, runtime, models[runtime.rank])
+            trainer = build(
+                *args,
+                source("train", train_data, True),
+                source("validation", val_data, False),
+                # Each replica reads its own copy, as in a run: optimizer.load_state_dict
+                # keeps CPU tensors as they are, so replicas would share momentum buffers.
+                resume_from=copy.deepcopy(resume_from),
+            )
+            trainers[runtime.rank] = trainer
+            return trainer.fit()
+
+        return FakeJob(run_replicas(world, replica), trainers, world)
+
+    return run

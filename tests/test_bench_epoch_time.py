@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tpustream.training.report import EpochRecord
 
 SPEC = importlib.util.spec_from_file_location("epoch_time", REPO / "bench" / "epoch_time.py")
 epoch_time = importlib.util.module_from_spec(SPEC)
@@ -19,12 +20,28 @@ sys.modules["epoch_time"] = epoch_time  # dataclasses look their module up by na
 SPEC.loader.exec_module(epoch_time)
 
 
-def line(epoch: int, train: float, val: float | None = 0.5, **extra) -> dict:
-    """A metrics.jsonl line as train.py writes it (val_* absent when validation is off)."""
-    record = {"epoch": epoch, "train_seconds": train, "train_samples": 1000, "compilations": 3, **extra}
+def line(epoch: int, train: float, val: float | None = 0.5, **extra) -> EpochRecord:
+    """A metrics.jsonl line as train.py writes it (no val_* when validation is off), as the bench reads it.
+
+    Without epoch_seconds and setup_seconds unless given, as train.py wrote lines before they existed.
+    """
+    record = {
+        "epoch": epoch,
+        "wall_time": 0.0,
+        "train_loss": 1.0,
+        "train_samples": 1000,
+        "replica_steps": 10,
+        "train_seconds": train,
+        "global_rate": 100.0,
+        "train_filled": 0,
+        "lr": 0.1,
+        "compilations": 3,
+        **extra,
+    }
     if val is not None:
+        record.update(val_accuracy=0.5, val_correct=5, val_samples=10, val_loss=1.0, val_filled=0)
         record["val_seconds"] = val
-    return record
+    return EpochRecord.from_dict(record)
 
 
 # ------------------------------------------------------------------ projection

@@ -26,7 +26,7 @@ from tpustream.training.optim import (
     prime_optimizer_state,
     xla_safe_scalar,
 )
-from tpustream.training.trainer import RateTracker
+from tpustream.training.report import RateTracker
 
 
 def test_xla_safe_scalar_moves_only_special_values():

@@ -311,6 +311,8 @@ class CountingLoader:
     ``raise_if_incomplete`` after each loop as a last line of defence: a
     replica that ran fewer steps than planned would leave the others waiting
     in an all-reduce.
+
+    It is the trainer's ``training.source.EpochSource``.
     """
 
     def __init__(self, loader: DataLoader, record_ids: bool = False):
@@ -323,6 +325,15 @@ class CountingLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    @property
+    def steps(self) -> int:
+        """Batches of a whole epoch (the layout's, whatever this pass skips)."""
+        return self.loader.dataset.layout.steps
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Select the epoch the next pass yields, from its batch skip_batches on (see ShardStream)."""
+        self.loader.dataset.set_epoch(epoch, skip_batches=skip_batches)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.filled = self.batches = 0

@@ -41,6 +41,13 @@ class Runtime(Protocol):
     def device_loader(self, loader: Iterable) -> Iterator:
         """Iterate loader with batches already on the device (and a step boundary per batch)."""
 
+    def place(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Give tensors just copied to the device the placement the step's outputs have.
+
+        A no-op on one device per replica; under SPMD, where a graph's identity
+        includes its inputs' shardings, they are annotated whole on every device.
+        """
+
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Copy the master's parameters and buffers to every replica (a collective)."""
 

@@ -60,6 +60,9 @@ class XlaDevice:
     def is_master(self) -> bool:
         return self.rank == 0
 
+    def place(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass  # one device: a tensor is where it was copied to
+
     def device_loader(self, loader: Iterable) -> Iterator:
         import torch_xla.distributed.parallel_loader as pl
 

@@ -143,6 +143,9 @@ class SpmdRuntime(XlaDevice):
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), (axis,))
         xs.set_global_mesh(self.mesh)
 
+    def place(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.replicate(tensors)
+
     def replicate(self, tensors: Iterable[torch.Tensor]) -> None:
         """Annotate device tensors as whole on every device.
 

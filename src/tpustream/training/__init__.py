@@ -1,10 +1,15 @@
 """Training one replica: the trainer and one module per strategy, chosen by ``make_trainer``.
 
 - ``trainer``: ``Trainer`` (strategy=ddp), the loop, the compiled step, exact
-  evaluation, checkpoint state, and the hooks a strategy overrides;
+  evaluation, stop votes, and the hooks a strategy overrides;
 - ``fsdp``: ``FsdpTrainer`` (strategy=fsdp), torch_xla's fully sharded data parallel;
 - ``spmd``: ``SpmdTrainer`` / ``SpmdFsdpTrainer`` (strategy=spmd / spmd_fsdp), one
   GSPMD program over the host's device mesh, the model replicated or sharded (FSDPv2);
+- ``state``: ``TrainState``, what a checkpoint holds, and the resume arithmetic;
+- ``report``: ``EpochRecord``, one typed record per epoch, and where it is written
+  (log, TensorBoard, metrics.jsonl);
+- ``debug``: the debug.* checks (recompilations, replicas in sync, sample logs);
+- ``source``: ``EpochSource``, what the trainer needs from a split's batches;
 - ``optim``: the optimizer (parameter groups, primed state) and its learning-rate schedule.
 """
 

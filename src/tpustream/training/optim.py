@@ -54,6 +54,19 @@ class LRSchedule:
         return xla_safe_scalar(self.peak * factor)
 
 
+def make_schedule(cfg: TrainConfig, steps_per_epoch: int, world_size: int) -> LRSchedule:
+    """cfg.optim's schedule in steps, peaking at peak_learning_rate."""
+    return LRSchedule(
+        peak=peak_learning_rate(cfg, world_size),
+        warmup_steps=max(1, round(cfg.optim.warmup_epochs * steps_per_epoch)),
+        total_steps=cfg.epochs * steps_per_epoch,
+        kind=cfg.optim.schedule,
+        min_ratio=cfg.optim.min_lr_ratio,
+        decay_every_steps=max(1, round(cfg.optim.decay_every_epochs * steps_per_epoch)),
+        decay_factor=cfg.optim.decay_factor,
+    )
+
+
 def peak_learning_rate(cfg: TrainConfig, world_size: int) -> float:
     """optim.lr, scaled linearly to the global batch when optim.reference_batch_size is set."""
     reference = cfg.optim.reference_batch_size

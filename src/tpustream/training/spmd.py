@@ -24,14 +24,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tpustream.config import Strategy
 from tpustream.runtime.spmd import device_bytes, fsdp_partition_spec
 from tpustream.training.trainer import Trainer
 
 log = logging.getLogger("tpustream.training")
 
-# Strategies whose checkpoints hold the optimizer state of the unsharded model, parameter by parameter.
-PLAIN_OPTIMIZER_STATE = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
 # What FSDPv2 inserts into the names of the modules it wraps.
 WRAPPER_PREFIX = "_orig_module."
 
@@ -78,11 +75,6 @@ class SpmdTrainer(Trainer):
         tensors = [v for state in self.optimizer.state.values() for v in state.values()]
         self.runtime.replicate([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"])
 
-    def _device_values(self, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
-        tensors = super()._device_values(*values)
-        self.runtime.replicate(tensors)
-        return tensors
-
     def average_buffers(self) -> None:
         # One model: BatchNorm's statistics are already over the global batch.
         pass
@@ -112,19 +104,6 @@ class SpmdTrainer(Trainer):
     def model_and_optimizer_state(self) -> tuple[Any, Any]:
         model = {name.replace(WRAPPER_PREFIX, ""): value for name, value in self.model.state_dict().items()}
         return model, self.optimizer.state_dict()
-
-    def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
-        written_by = state.get("strategy", Strategy.ddp.value)
-        if written_by not in PLAIN_OPTIMIZER_STATE:
-            log.warning(
-                "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
-                "starts fresh (model weights and training position are restored)",
-                source,
-                written_by,
-                self.cfg.strategy.value,
-            )
-            return
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 class SpmdFsdpTrainer(SpmdTrainer):

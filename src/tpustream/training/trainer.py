@@ -2,7 +2,9 @@
 
 Built once per replica. The step function touches only device tensors; the
 loss is read on the host only at logging steps (through a step closure, after
-the step has run) and metrics are reduced once per epoch. Subclasses change
+the step has run) and metrics are reduced once per epoch. What a checkpoint
+holds is ``state``'s, what an epoch reports is ``report``'s, the debug checks
+are ``debug``'s; this module is the loop and its hooks. Subclasses change
 one hook (``wrap_model``, ``run_optimizer``, ``model_and_optimizer_state``, ...) to make a
 variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=fsdp``).
 """
@@ -10,65 +12,41 @@ variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
-import random
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpustream import checkpoint, observe, preemption
+from tpustream import checkpoint, preemption
 from tpustream.config import Precision, Strategy, TrainConfig
 from tpustream.data.augment import Normalizer
-from tpustream.data.loader import CountingLoader
 from tpustream.epoch_checks import check_epoch, first_distinct
-from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
-from tpustream.training.optim import LRSchedule, build_optimizer, peak_learning_rate, prime_optimizer_state
+from tpustream.training.debug import DebugChecks
+from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state
+from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
+from tpustream.training.source import EpochSource
+from tpustream.training.state import (
+    CheckpointWriter,
+    EpochSums,
+    ProgressAttribute,
+    TrainState,
+    capture_rng,
+    device_values,
+    restore_rng,
+)
+
+# Strategies whose checkpoints hold the optimizer state of the whole model,
+# parameter by parameter in model order: they resume one another's.
+PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
 log = logging.getLogger("tpustream.training")
-
-
-class RateTracker:
-    """Samples per second: smoothed since the last report, and since the start.
-
-    The same numbers as torch_xla's RateTracker (smoothing 0.4) that users of
-    the reference scripts read, without importing torch_xla here.
-    """
-
-    def __init__(self, smoothing: float = 0.4):
-        self.smoothing = smoothing
-        self.start = self.last = time.time()
-        self.total = self.pending = 0.0
-        self.smoothed: float | None = None
-
-    def add(self, count: float) -> None:
-        self.pending += count
-
-    def rate(self) -> float:
-        now = time.time()
-        if now <= self.last:
-            return self.smoothed or 0.0
-        current = self.pending / (now - self.last)
-        if self.smoothed is not None:
-            current = (1 - self.smoothing) * current + self.smoothing * self.smoothed
-        self.smoothed, self.last = current, now
-        self.total += self.pending
-        self.pending = 0.0
-        return current
-
-    def global_rate(self) -> float:
-        elapsed = time.time() - self.start
-        return (self.total + self.pending) / elapsed if elapsed > 0 else 0.0
 
 
 # (verified checkpoint state, where it was read from)
@@ -81,20 +59,31 @@ class Trainer:
     Built once per replica; the same code on a TPU pod and in the simulation.
     """
 
+    # The training position and sums: what last.pt saves (training.state).
+    epoch = ProgressAttribute()
+    step = ProgressAttribute()
+    global_step = ProgressAttribute()
+    partial = ProgressAttribute()
+    pending_train_metrics = ProgressAttribute()
+    best_accuracy = ProgressAttribute()
+    best_epoch = ProgressAttribute()
+    history = ProgressAttribute()
+
     def __init__(
         self,
         cfg: TrainConfig,
         config_dict: dict[str, Any],
         runtime: Runtime,
         model: nn.Module,
-        train_loader: CountingLoader,
-        val_loader: CountingLoader,
+        train_loader: EpochSource,
+        val_loader: EpochSource,
         resume_from: ResumeFrom | None = None,
         started_at: float | None = None,
     ):
         self.cfg = cfg
         self.config_dict = config_dict
         self.runtime = runtime
+        self.train_state = TrainState()
         if resume_from is not None:
             # The whole model's weights, whichever strategy and world size wrote
             # them; loaded before wrap_model, so a sharding wrapper shards them,
@@ -110,43 +99,14 @@ class Trainer:
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         self.train_loader = train_loader
         self.val_loader = val_loader
-        self.steps_per_epoch = train_loader.loader.dataset.layout.steps
-        self.peak_lr = peak_learning_rate(cfg, runtime.world_size)
-        self.schedule = LRSchedule(
-            peak=self.peak_lr,
-            warmup_steps=max(1, round(cfg.optim.warmup_epochs * self.steps_per_epoch)),
-            total_steps=cfg.epochs * self.steps_per_epoch,
-            kind=cfg.optim.schedule,
-            min_ratio=cfg.optim.min_lr_ratio,
-            decay_every_steps=max(1, round(cfg.optim.decay_every_epochs * self.steps_per_epoch)),
-            decay_factor=cfg.optim.decay_factor,
-        )
-        self.output_dir = cfg.output_dir
-        self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
-            cfg.log_dir or tempfile.gettempdir(), "unsaved"
-        )
-        # The training position: the next batch to train is batch `step` of
-        # epoch `epoch`; step == steps_per_epoch means "trained, not evaluated".
-        self.epoch = 0
-        self.step = 0
-        self.global_step = 0
-        # Reduced sums of the epoch in progress up to `step`, and its train
-        # metrics once its training part is done (both from a checkpoint).
-        self.partial: dict[str, float] | None = None
-        self.pending_train_metrics: dict[str, Any] | None = None
-        self.best_accuracy = -1.0
-        self.best_epoch = -1
-        self.history: list[dict[str, Any]] = []
-        self.unsaved: list[str] = []
-        self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
-        # Process start (train.py) to the first step of this process, once.
-        self.started_at = started_at
-        self.setup_seconds: float | None = None
+        self.steps_per_epoch = train_loader.steps
+        self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size)
+        self.checkpoints = CheckpointWriter(cfg, runtime)
+        self.reporter = EpochReporter(cfg, config_dict, runtime, started_at)
         self.replica_rates: list[float] = []
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
-        self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
-        self.watch = observe.RecompileWatch() if cfg.debug.metrics else None
+        self.debug = DebugChecks(cfg.debug, runtime)
         # What this process has run at least once (training, evaluation, an
         # epoch end): the first of each compiles its graphs.
         self._ran_once: set[str] = set()
@@ -166,13 +126,14 @@ class Trainer:
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
-        if state.get("strategy", Strategy.ddp.value) != self.cfg.strategy.value:
+        written_by, mine = state.get("strategy", Strategy.ddp.value), self.cfg.strategy.value
+        if not (written_by == mine or {written_by, mine} <= PLAIN_LAYOUT):
             log.warning(
                 "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
                 "starts fresh (model weights and training position are restored)",
                 source,
-                state.get("strategy"),
-                self.cfg.strategy.value,
+                written_by,
+                mine,
             )
             return
         self.optimizer.load_state_dict(state["optimizer"])
@@ -188,73 +149,25 @@ class Trainer:
             "seed": self.cfg.seed,
         }
 
-    def state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What last.pt and best.pt hold now (a collective for sharded strategies)."""
         model_state, optimizer_state = self.model_and_optimizer_state()
-        return {
-            "position": {"epoch": self.epoch, "step": self.step},
-            "epoch": self.epoch - 1,  # the last completed (trained and evaluated) epoch
-            "global_step": self.global_step,
-            "partial": self.partial,
-            "pending_train_metrics": self.pending_train_metrics,
-            "best_accuracy": self.best_accuracy,
-            "best_epoch": self.best_epoch,
-            "history": self.history,
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "strategy": self.cfg.strategy.value,
-            "rng": self._rng_states(),
-            "data_plan": self.data_plan(),
-            "config": self.config_dict,
-            "config_fingerprint": checkpoint.config_fingerprint(self.config_dict),
-        }
-
-    def _rng_states(self) -> dict[str, Any]:
-        numpy_state = np.random.get_state(legacy=False)
-        return {
-            "python": random.getstate(),
-            "numpy": {
-                "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-                "pos": int(numpy_state["state"]["pos"]),
-            },
-            "torch": torch.get_rng_state(),
-            "xla": self.runtime.rng_state(),
-        }
-
-    def _set_rng_states(self, rng: dict[str, Any]) -> None:
-        random.setstate(rng["python"])
-        state = np.random.get_state(legacy=False)
-        state["state"] = {"key": rng["numpy"]["key"].numpy().astype(np.uint32), "pos": rng["numpy"]["pos"]}
-        np.random.set_state(state)
-        torch.set_rng_state(rng["torch"])
-        self.runtime.set_rng_state(int(rng["xla"]))
+        return self.train_state.to_checkpoint(
+            model=model_state,
+            optimizer=optimizer_state,
+            strategy=self.cfg.strategy.value,
+            rng=capture_rng(self.runtime),
+            data_plan=self.data_plan(),
+            config=self.config_dict,
+        )
 
     def restore(self, state: dict[str, Any], source: str) -> None:
         """Everything but the model weights (loaded before wrapping): optimizer, position, RNGs."""
         self.load_optimizer_state(state, source)
-        self.epoch, self.step = int(state["position"]["epoch"]), int(state["position"]["step"])
-        self.global_step = int(state["global_step"])
-        self.partial = state["partial"]
-        self.pending_train_metrics = state["pending_train_metrics"]
-        self.best_accuracy = float(state["best_accuracy"])
-        self.best_epoch = int(state["best_epoch"])
-        self.history = list(state["history"])
-        self._set_rng_states(state["rng"])
-        if 0 < self.step < self.steps_per_epoch and state["data_plan"] != self.data_plan():
-            # The sample order of an epoch depends on replicas x workers x batch:
-            # a position inside it means nothing under another plan.
-            log.warning(
-                "%s stopped at step %d of epoch %d under %s; this run has %s, so epoch %d restarts "
-                "from its first batch (the samples of its first %d steps are seen again)",
-                source,
-                self.step,
-                self.epoch,
-                state["data_plan"],
-                self.data_plan(),
-                self.epoch,
-                self.step,
-            )
-            self.global_step -= self.step
-            self.step, self.partial = 0, None
+        saved = TrainState.from_checkpoint(state)
+        restore_rng(saved.rng, self.runtime)
+        # Only the position and sums: the checkpoint's tensors are not kept.
+        self.train_state = saved.under_data_plan(self.data_plan(), self.steps_per_epoch, source).progress()
         log.info("resumed from %s at epoch %d, step %d", source, self.epoch, self.step)
 
     # -- hooks: the step --------------------------------------------------
@@ -315,16 +228,6 @@ class Trainer:
         return total
 
     # -- loops ------------------------------------------------------------
-    def _device_values(self, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
-        """Metric accumulators of shape (1,), made on the host and copied over.
-
-        torch.zeros(device=xla), or a 0-dim host zero copied over, is a
-        constant in the next graph rather than data, and fused with whatever
-        else was pending it compiled once more in epoch 1. A copied (1,)
-        tensor is device data and compiles nothing.
-        """
-        return [torch.tensor([value], dtype=dtype).to(self.runtime.device) for value, dtype in values]
-
     def _stop_agreed(self) -> bool:
         """Whether any replica received a stop request; every replica gets the same answer."""
         local = preemption.stop_requested()
@@ -339,100 +242,48 @@ class Trainer:
         self._ran_once.add(what)
         return first
 
-    def _mark_setup_done(self) -> None:
-        """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
-        if self.setup_seconds is None and self.started_at is not None:
-            self.setup_seconds = time.time() - self.started_at
-
-    def _watch_compiles(self, phase: str, step: int, first: bool) -> None:
-        """debug.metrics: warn from a step closure if this step compiled and was not expected to."""
-        if self.watch is None:
-            return
-        if first:
-            self.watch.expect_compile()
-        self.runtime.add_step_closure(self.watch.check, (step, phase))
-
-    def _reduced_partial(
-        self, loss_sum: torch.Tensor, count: torch.Tensor, filled_before: int, seconds: float
-    ) -> dict[str, float]:
-        """The epoch's sums so far over all replicas (a collective), for a mid-epoch checkpoint.
-
-        The master's accumulators already hold the sums from before a resume,
-        so the all-reduce covers the whole epoch so far. 'filled' counts the
-        batches the loader handed out, which may run a few prefetched batches
-        ahead of training; it is a report of bad data, not used for training.
-        """
-        loss_total, count_total = self.runtime.all_reduce_sum([loss_sum, count])
-        (filled,) = self.runtime.reduce_host_sum(f"partial-{self.global_step}", [self.train_loader.filled])
-        return {
-            "loss_sum": float(loss_total.item()),
-            "count": int(count_total.item()),
-            "filled": int(filled) + filled_before,
-            "seconds": seconds,
-        }
-
     def _save(self, name: str) -> None:
-        kept = checkpoint.save_checkpoint(
-            self.runtime, checkpoint.checkpoint_url(self.output_dir, name), self.state(), self.fallback_dir
-        )
-        if kept:
-            self.unsaved.append(kept)
+        self.checkpoints.save(name, self.checkpoint_state())
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """Train the rest of `epoch` from self.step; raises Preempted after saving if asked to stop."""
         self.model.train()
         start_step = self.step
-        self.train_loader.loader.dataset.set_epoch(epoch, skip_batches=start_step)
+        self.train_loader.set_epoch(epoch, skip_batches=start_step)
         tracker = RateTracker()
-        # The master carries the partial sums of a resumed epoch; the epoch's
-        # reduction then adds every replica's sums to them exactly once.
-        base = self.partial if (self.partial and self.runtime.is_master) else None
-        loss_sum, real_count = self._device_values(
-            (base["loss_sum"] if base else 0.0, torch.float32), (base["count"] if base else 0, torch.int32)
-        )
-        previous_seconds = self.partial["seconds"] if self.partial else 0.0
-        previous_filled = self.partial["filled"] if self.partial else 0
-        self._mark_setup_done()
+        self.reporter.mark_setup_done()
         first_loop = self._first_time("train")
-        start = time.time()
+        sums = EpochSums(self.partial, self.runtime)
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
         save_every = self.cfg.checkpoint.every_n_steps
         for index, batch in enumerate(self.runtime.device_loader(self.train_loader)):
             step = start_step + index
             loss = self.step_fn(batch)
-            batch_size = batch["label"].shape[0]
-            loss_sum += loss * batch_size
-            real_count += (batch["real"] > 0).sum().int()
-            tracker.add(batch_size)
+            sums.add(loss, batch)
+            tracker.add(batch["label"].shape[0])
             self.global_step += 1
-            self._watch_compiles("train", step, first=first_loop and index == 0)
-            if self.global_step == self.cfg.debug.stop_at_step:
-                preemption.request_stop()
+            self.debug.watch_compiles("train", step, first=first_loop and index == 0)
+            self.debug.after_train_step(self.model, self.global_step)
             if step % self.cfg.log_steps == 0:
-                self.runtime.add_step_closure(self._log_step, (epoch, step, self.global_step, loss, tracker))
-            sync_every = self.cfg.debug.check_sync_every
-            if sync_every and self.global_step % sync_every == 0:
-                self.runtime.add_step_closure(self._check_replicas_in_sync, (self.global_step,))
+                lr = self.schedule(self.global_step - 1)
+                closure_args = (epoch, step, self.global_step, loss, tracker, lr)
+                self.runtime.add_step_closure(self.reporter.log_step, closure_args)
             if step + 1 == self.steps_per_epoch:
                 continue  # the epoch's end saves and checks for stop requests
             stop = (index + 1) % check_every == 0 and self._stop_agreed()
             if stop or (save_every and self.global_step % save_every == 0):
                 # A snapshot: the accumulators keep running either way.
-                self.partial = self._reduced_partial(
-                    loss_sum, real_count, previous_filled, previous_seconds + time.time() - start
-                )
+                self.partial = sums.reduced_partial(self.train_loader.filled, f"partial-{self.global_step}")
                 self.epoch, self.step = epoch, step + 1
                 self._save(checkpoint.LAST)
                 if stop:
                     raise preemption.Preempted(f"stopped at epoch {epoch}, step {step + 1}")
         self.train_loader.raise_if_incomplete("train")
         self.average_buffers()
-        if self.cfg.debug.check_sync_every:
-            self._check_replicas_in_sync(self.global_step, include_buffers=True)
-        if self.cfg.debug.sample_log_dir:
-            self._write_sample_log(epoch, start_step)
-        seconds = time.time() - start + previous_seconds
-        loss_total, count = self.runtime.all_reduce_sum([loss_sum, real_count])
+        sample_ids = self.train_loader.sample_ids
+        self.debug.after_train_epoch(self.model, self.global_step, epoch, start_step, sample_ids)
+        seconds = sums.seconds()
+        loss_total, count = self.runtime.all_reduce_sum([sums.loss_sum, sums.real_count])
         per_replica = self.runtime.all_gather_host(
             f"train-epoch-{epoch}",
             (tracker.global_rate(), self.train_loader.filled, self.train_loader.bad_shards),
@@ -448,19 +299,9 @@ class Trainer:
             "replica_steps": self.steps_per_epoch,
             "train_seconds": seconds,
             "global_rate": sum(self.replica_rates),
-            "train_filled": sum(filled for _, filled, _ in per_replica) + previous_filled,
+            "train_filled": sum(filled for _, filled, _ in per_replica) + sums.previous_filled,
             "lr": self.schedule(self.global_step - 1),
         }
-
-    def _write_sample_log(self, epoch: int, start_step: int) -> None:
-        folder = self.cfg.debug.sample_log_dir
-        os.makedirs(folder, exist_ok=True)
-        ids = self.train_loader.sample_ids
-        suffix = f"-from{start_step:05d}" if start_step else ""
-        np.save(
-            os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}{suffix}.npy"),
-            np.concatenate(ids) if ids else np.empty(0, np.int64),
-        )
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics (floating buffers) over replicas.
@@ -476,42 +317,6 @@ class Trainer:
         for buffer, total in zip(buffers, self.runtime.all_reduce_sum(buffers), strict=True):
             buffer.copy_(total / self.runtime.world_size)
 
-    def _check_replicas_in_sync(self, step: int, include_buffers: bool = False) -> None:
-        """Stop if replicas hold different parameters.
-
-        Called as a step closure during the epoch (tensors are computed by
-        then); buffers are compared only after average_buffers, since
-        BatchNorm statistics legitimately differ within an epoch.
-        """
-        digest = hashlib.sha256()
-        tensors = (*self.model.parameters(), *(self.model.buffers() if include_buffers else ()))
-        for tensor in tensors:
-            digest.update(tensor.detach().cpu().numpy().tobytes())
-        fingerprints = self.runtime.all_gather_host(f"sync-{step}", digest.hexdigest())
-        if len(set(fingerprints)) > 1:
-            # Every replica sees the same list, so all of them stop here together.
-            raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
-        log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
-
-    def _log_step(self, epoch: int, step: int, global_step: int, loss: torch.Tensor, tracker) -> None:
-        if not (self.runtime.is_master or log.isEnabledFor(logging.DEBUG)):
-            return
-        value, rate = loss.item(), tracker.rate()
-        log.info(
-            "Training Device=%s Epoch=%d Step=%d Loss=%.5f Rate=%.2f GlobalRate=%.2f",
-            self.device_name,
-            epoch,
-            step,
-            value,
-            rate,
-            tracker.global_rate(),
-        )
-        # The loss of the step that just ran, at the global step it finished.
-        self.tensorboard.scalars(
-            global_step,
-            {"train/loss": value, "train/lr": self.schedule(global_step - 1), "train/rate_master": rate},
-        )
-
     def should_evaluate(self, epoch: int) -> bool:
         """eval_every: every N epochs and after the last; never with 0."""
         every = self.cfg.eval_every
@@ -521,11 +326,11 @@ class Trainer:
     def evaluate(self, epoch: int, stoppable: bool = True) -> dict[str, float]:
         """Accuracy over the whole validation split, summed exactly over replicas."""
         self.model.eval()
-        self.val_loader.loader.dataset.set_epoch(epoch)
-        correct, count, loss_sum = self._device_values(
-            (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
+        self.val_loader.set_epoch(epoch)
+        correct, count, loss_sum = device_values(
+            self.runtime, (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
-        self._mark_setup_done()
+        self.reporter.mark_setup_done()
         first_loop = self._first_time("evaluation")
         start = time.time()
         check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
@@ -538,7 +343,7 @@ class Trainer:
             loss_sum += (
                 F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
             ).sum()
-            self._watch_compiles("evaluation", index, first=first_loop and index == 0)
+            self.debug.watch_compiles("evaluation", index, first=first_loop and index == 0)
             if stoppable and (index + 1) % check_every == 0 and self._stop_agreed():
                 # The epoch's training is saved with it; evaluation reruns on resume.
                 self._save(checkpoint.LAST)
@@ -561,7 +366,7 @@ class Trainer:
         }
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """Record metrics; the master writes best.pt on improvement and last.pt always."""
+        """Record the epoch; the master writes best.pt on improvement and last.pt always."""
         check_epoch(
             epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss, self.bad_shards
         )
@@ -569,113 +374,42 @@ class Trainer:
         improved = evaluated and metrics["val_accuracy"] > self.best_accuracy
         if improved:
             self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
-        metrics["epoch_seconds"] = metrics["train_seconds"] + metrics.get("val_seconds", 0.0)
         first_end = self._first_time("epoch end")
-        if first_end and self.setup_seconds is not None:
-            metrics["setup_seconds"] = self.setup_seconds
-        self.history.append({"epoch": epoch, "wall_time": time.time(), **metrics})
-        train = (
-            f"Epoch={epoch} train: loss={metrics['train_loss']:.4f} samples={metrics['train_samples']} "
-            f"(replica steps {metrics['replica_steps']}) skipped={metrics['train_filled']} "
-            f"GlobalRate={metrics['global_rate']:.1f} time={metrics['train_seconds']:.1f}s"
+        record = EpochRecord(
+            epoch=epoch,
+            wall_time=time.time(),
+            **metrics,
+            epoch_seconds=metrics["train_seconds"] + metrics.get("val_seconds", 0.0),
+            setup_seconds=self.reporter.setup_seconds if first_end else None,
         )
-        val = (
-            f"val: accuracy={100 * metrics['val_accuracy']:.2f}% ({metrics['val_correct']}/"
-            f"{metrics['val_samples']}) loss={metrics['val_loss']:.4f} skipped={metrics['val_filled']} | "
-            f"best={100 * self.best_accuracy:.2f}% (epoch {self.best_epoch})"
-            if evaluated
-            else "val: not this epoch (eval_every)"
+        self.history.append(record.to_dict())
+        self.reporter.report_epoch(
+            record, self.best_accuracy, self.best_epoch, self.global_step, self.replica_rates
         )
-        # Every replica computes the same reduced numbers; one line per epoch is enough.
-        (log.info if self.runtime.is_master else log.debug)("%s | %s", train, val)
-        self._record_epoch_scalars(metrics)
         self.epoch, self.step = epoch + 1, 0
         self.pending_train_metrics = None
         if improved:
             self._save(checkpoint.BEST)
         self._save(checkpoint.LAST)
-        if self.runtime.is_master:
-            self._write_run_file(checkpoint.write_metrics, self.history)
-        if self.watch is not None:
-            # The first epoch's end compiles its reductions and checkpoint copies.
-            if first_end:
-                self.watch.expect_compile()
-            self.watch.check(epoch, "end of epoch")
-            if self.runtime.is_master:
-                log.info("epoch %d: %s", epoch, observe.xla_metrics_summary())
-
-    def _record_epoch_scalars(self, metrics: dict[str, Any]) -> None:
-        """TensorBoard at the epoch's last global step (master only; others hold a null log)."""
-        values = {
-            "epoch/train_loss": metrics["train_loss"],
-            "epoch/lr": metrics["lr"],
-            "epoch/seconds": metrics["epoch_seconds"],
-            "rate/global": metrics["global_rate"],
-            "xla/compilations": metrics["compilations"],
-        }
-        values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(self.replica_rates)})
-        if "val_accuracy" in metrics:
-            values.update(
-                {"epoch/val_accuracy": metrics["val_accuracy"], "epoch/val_loss": metrics["val_loss"]}
-            )
-        self.tensorboard.scalars(self.global_step, values)
-        self.tensorboard.sync()
-
-    def _write_run_file(self, writer, content) -> None:
-        """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""
-        try:
-            writer(self.output_dir, content)
-        except StorageError as exc:
-            log.warning("could not update the run folder (%s); the checkpoints hold the same data", exc)
-
-    def _open_tensorboard(self) -> None:
-        if not (self.runtime.is_master and self.cfg.tensorboard):
-            return
-        staging = os.path.join(self.cfg.log_dir, "tensorboard") if self.cfg.log_dir else None
-        # A resumed run writes again the steps after its checkpoint's; TensorBoard
-        # hides what the interrupted run wrote for them.
-        self.tensorboard = observe.TensorBoardLog(
-            self.output_dir, staging, purge_step=self.global_step + 1 if self.global_step else None
-        )
+        self.reporter.write_history(self.history)
+        self.debug.at_epoch_end(epoch, first_end)
 
     def fit(self) -> dict[str, Any]:
         if self.cfg.eval_only:
             metrics = self.evaluate(max(self.epoch - 1, 0), stoppable=False)
-            log.info(
-                "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
-                self.epoch - 1,
-                100 * metrics["val_accuracy"],
-                metrics["val_correct"],
-                metrics["val_samples"],
-                metrics["val_loss"],
-            )
+            self.reporter.report_evaluation(self.epoch - 1, metrics)
             self.runtime.wait_device_ops()
             return {"eval": metrics}
-        if self.runtime.is_master:
-            self._write_run_file(checkpoint.write_config, self.config_dict)
-            if self.cfg.optim.reference_batch_size:
-                log.info(
-                    "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
-                    "after %d warmup steps",
-                    self.peak_lr,
-                    self.cfg.optim.lr,
-                    self.cfg.batch_size * self.runtime.world_size,
-                    self.cfg.optim.reference_batch_size,
-                    self.schedule.warmup_steps,
-                )
+        self.reporter.report_run_start(self.schedule.peak, self.schedule.warmup_steps)
         if self.epoch >= self.cfg.epochs:
             log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.epoch)
-        self._open_tensorboard()
+        self.reporter.open(self.global_step)
         try:
             self._run_epochs()
         finally:
-            self.tensorboard.close()
+            self.reporter.close()
         self.runtime.wait_device_ops()
-        if self.unsaved:
-            raise StorageError(
-                f"{len(self.unsaved)} checkpoint(s) could not be written to {self.output_dir}; "
-                f"kept locally: {', '.join(self.unsaved)}"
-            )
+        self.checkpoints.raise_if_unsaved()
         return {"best_accuracy": self.best_accuracy, "best_epoch": self.best_epoch, "history": self.history}
 
     def _run_epochs(self) -> None:

@@ -1,0 +1,95 @@
+"""debug.*: the checks a run does only when asked, apart from the loop they watch.
+
+Recompilations (debug.metrics), replicas that drifted apart
+(debug.check_sync_every), the samples each replica trained on
+(debug.sample_log_dir), and a stop request at a chosen step (debug.stop_at_step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import numpy as np
+import torch.nn as nn
+
+from tpustream import observe, preemption
+from tpustream.config import DebugConfig
+from tpustream.runtime import Runtime
+
+# The package's name, not this module's: log lines read "tpustream.training" as
+# they did before training/ was split (tests and the README match it).
+log = logging.getLogger("tpustream.training")
+
+
+class DebugChecks:
+    """One replica's debug checks; the trainer calls them at its step and epoch boundaries."""
+
+    def __init__(self, cfg: DebugConfig, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.watch = observe.RecompileWatch() if cfg.metrics else None
+
+    def watch_compiles(self, phase: str, step: int, first: bool) -> None:
+        """debug.metrics: warn from a step closure if this step compiled and was not expected to."""
+        if self.watch is None:
+            return
+        if first:
+            self.watch.expect_compile()
+        self.runtime.add_step_closure(self.watch.check, (step, phase))
+
+    def after_train_step(self, model: nn.Module, global_step: int) -> None:
+        """debug.stop_at_step and the periodic debug.check_sync_every, after step `global_step` ran."""
+        if global_step == self.cfg.stop_at_step:
+            preemption.request_stop()
+        every = self.cfg.check_sync_every
+        if every and global_step % every == 0:
+            self.runtime.add_step_closure(self.check_replicas_in_sync, (model, global_step))
+
+    def after_train_epoch(
+        self, model: nn.Module, global_step: int, epoch: int, start_step: int, sample_ids: list[np.ndarray]
+    ) -> None:
+        """Once the epoch's training is done and BatchNorm buffers are averaged."""
+        if self.cfg.check_sync_every:
+            self.check_replicas_in_sync(model, global_step, include_buffers=True)
+        if self.cfg.sample_log_dir:
+            self.write_sample_log(sample_ids, epoch, start_step)
+
+    def at_epoch_end(self, epoch: int, first_end: bool) -> None:
+        """debug.metrics: the epoch end's compilations, and the XLA metrics summary."""
+        if self.watch is None:
+            return
+        # The first epoch's end compiles its reductions and checkpoint copies.
+        if first_end:
+            self.watch.expect_compile()
+        self.watch.check(epoch, "end of epoch")
+        if self.runtime.is_master:
+            log.info("epoch %d: %s", epoch, observe.xla_metrics_summary())
+
+    def check_replicas_in_sync(self, model: nn.Module, step: int, include_buffers: bool = False) -> None:
+        """Stop if replicas hold different parameters.
+
+        Called as a step closure during the epoch (tensors are computed by
+        then); buffers are compared only after average_buffers, since
+        BatchNorm statistics legitimately differ within an epoch.
+        """
+        digest = hashlib.sha256()
+        tensors = (*model.parameters(), *(model.buffers() if include_buffers else ()))
+        for tensor in tensors:
+            digest.update(tensor.detach().cpu().numpy().tobytes())
+        fingerprints = self.runtime.all_gather_host(f"sync-{step}", digest.hexdigest())
+        if len(set(fingerprints)) > 1:
+            # Every replica sees the same list, so all of them stop here together.
+            raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
+        log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
+
+    def write_sample_log(self, sample_ids: list[np.ndarray], epoch: int, start_step: int) -> None:
+        """The ids of the real samples this replica trained on in this pass, for exactness audits."""
+        folder = self.cfg.sample_log_dir
+        os.makedirs(folder, exist_ok=True)
+        suffix = f"-from{start_step:05d}" if start_step else ""
+        np.save(
+            os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}{suffix}.npy"),
+            np.concatenate(sample_ids) if sample_ids else np.empty(0, np.int64),
+        )

@@ -1,0 +1,245 @@
+"""What a run reports: one typed ``EpochRecord`` per epoch, and where it goes.
+
+``EpochReporter`` writes each record to the log, to TensorBoard and (the
+history) to metrics.jsonl, and logs the training steps in between. The same
+record type reads the history back: from metrics.jsonl (``read_epoch_records``,
+bench/epoch_time.py) and from a checkpoint's "history" (scripts/demo.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpustream import checkpoint, observe
+from tpustream.config import TrainConfig
+from tpustream.errors import StorageError
+from tpustream.runtime import Runtime
+
+# The package's name, not this module's: log lines read "tpustream.training" as
+# they did before training/ was split (tests and the README match it).
+log = logging.getLogger("tpustream.training")
+
+
+@dataclass(kw_only=True)
+class EpochRecord:
+    """One finished epoch: a metrics.jsonl line, and an entry of a checkpoint's "history".
+
+    Sums and counts are over all replicas; *_seconds and wall_time are the
+    reporting replica's. Fields left None are absent from the line: val_* in
+    epochs without evaluation, setup_seconds after a process's first epoch,
+    epoch_seconds in lines written before it existed.
+    """
+
+    epoch: int
+    wall_time: float  # time.time() at the epoch's end
+    train_loss: float  # mean over the epoch's real samples
+    train_samples: int  # real samples trained on (padding and bad data excluded)
+    replica_steps: int  # steps of each replica
+    train_seconds: float
+    global_rate: float  # samples per second, summed over replicas
+    train_filled: int  # places bad data left empty
+    lr: float  # the learning rate of the epoch's last step
+    val_accuracy: float | None = None
+    val_correct: int | None = None
+    val_samples: int | None = None
+    val_loss: float | None = None
+    val_seconds: float | None = None
+    val_filled: int | None = None
+    compilations: int  # graphs compiled in the process so far
+    epoch_seconds: float | None = None  # training plus evaluation
+    setup_seconds: float | None = None  # process start to its first loop
+
+    @property
+    def evaluated(self) -> bool:
+        return self.val_accuracy is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metrics.jsonl line (before JSON), keys in the order the trainer has always stored them."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: value for name, value in values if value is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EpochRecord:
+        """A record from a metrics.jsonl line or a history entry (keys a newer version added are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:  # a required field is missing
+            raise ValueError(f"not an epoch record ({exc}): {dict(data)}") from None
+
+
+def read_epoch_records(output_dir: str) -> list[EpochRecord]:
+    """The records in a run folder's metrics.jsonl, in file order ([] if there is none yet)."""
+    return [EpochRecord.from_dict(line) for line in checkpoint.read_metrics(output_dir)]
+
+
+class RateTracker:
+    """Samples per second: smoothed since the last report, and since the start.
+
+    The same numbers as torch_xla's RateTracker (smoothing 0.4) that users of
+    the reference scripts read, without importing torch_xla here.
+    """
+
+    def __init__(self, smoothing: float = 0.4):
+        self.smoothing = smoothing
+        self.start = self.last = time.time()
+        self.total = self.pending = 0.0
+        self.smoothed: float | None = None
+
+    def add(self, count: float) -> None:
+        self.pending += count
+
+    def rate(self) -> float:
+        now = time.time()
+        if now <= self.last:
+            return self.smoothed or 0.0
+        current = self.pending / (now - self.last)
+        if self.smoothed is not None:
+            current = (1 - self.smoothing) * current + self.smoothing * self.smoothed
+        self.smoothed, self.last = current, now
+        self.total += self.pending
+        self.pending = 0.0
+        return current
+
+    def global_rate(self) -> float:
+        elapsed = time.time() - self.start
+        return (self.total + self.pending) / elapsed if elapsed > 0 else 0.0
+
+
+class EpochReporter:
+    """One replica's log lines and, on the master, TensorBoard scalars and the run folder's files."""
+
+    def __init__(
+        self, cfg: TrainConfig, config_dict: dict[str, Any], runtime: Runtime, started_at: float | None = None
+    ):
+        self.cfg = cfg
+        self.config_dict = config_dict
+        self.runtime = runtime
+        self.output_dir = cfg.output_dir
+        self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
+        self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
+        # Process start (train.py) to the first loop of this process, once.
+        self.started_at = started_at
+        self.setup_seconds: float | None = None
+
+    def mark_setup_done(self) -> None:
+        """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
+        if self.setup_seconds is None and self.started_at is not None:
+            self.setup_seconds = time.time() - self.started_at
+
+    def report_run_start(self, peak_lr: float, warmup_steps: int) -> None:
+        """config.yaml, and the learning rate the linear scaling rule chose (master only)."""
+        if not self.runtime.is_master:
+            return
+        self._write_run_file(checkpoint.write_config, self.config_dict)
+        if self.cfg.optim.reference_batch_size:
+            log.info(
+                "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
+                "after %d warmup steps",
+                peak_lr,
+                self.cfg.optim.lr,
+                self.cfg.batch_size * self.runtime.world_size,
+                self.cfg.optim.reference_batch_size,
+                warmup_steps,
+            )
+
+    def report_evaluation(self, epoch: int, metrics: Mapping[str, Any]) -> None:
+        """eval_only: the checkpoint's evaluation (every replica)."""
+        log.info(
+            "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
+            epoch,
+            100 * metrics["val_accuracy"],
+            metrics["val_correct"],
+            metrics["val_samples"],
+            metrics["val_loss"],
+        )
+
+    def open(self, global_step: int) -> None:
+        """Start the TensorBoard log (master only, with cfg.tensorboard)."""
+        if not (self.runtime.is_master and self.cfg.tensorboard):
+            return
+        staging = os.path.join(self.cfg.log_dir, "tensorboard") if self.cfg.log_dir else None
+        # A resumed run writes again the steps after its checkpoint's; TensorBoard
+        # hides what the interrupted run wrote for them.
+        self.tensorboard = observe.TensorBoardLog(
+            self.output_dir, staging, purge_step=global_step + 1 if global_step else None
+        )
+
+    def close(self) -> None:
+        self.tensorboard.close()
+
+    def log_step(
+        self, epoch: int, step: int, global_step: int, loss: torch.Tensor, tracker: RateTracker, lr: float
+    ) -> None:
+        """A training step's line and scalars; run as a step closure, once the step's loss is computed."""
+        if not (self.runtime.is_master or log.isEnabledFor(logging.DEBUG)):
+            return
+        value, rate = loss.item(), tracker.rate()
+        log.info(
+            "Training Device=%s Epoch=%d Step=%d Loss=%.5f Rate=%.2f GlobalRate=%.2f",
+            self.device_name,
+            epoch,
+            step,
+            value,
+            rate,
+            tracker.global_rate(),
+        )
+        # The loss of the step that just ran, at the global step it finished.
+        scalars = {"train/loss": value, "train/lr": lr, "train/rate_master": rate}
+        self.tensorboard.scalars(global_step, scalars)
+
+    def report_epoch(
+        self,
+        record: EpochRecord,
+        best_accuracy: float,
+        best_epoch: int,
+        global_step: int,
+        replica_rates: list[float],
+    ) -> None:
+        """The epoch's log line, and its TensorBoard scalars at the epoch's last global step."""
+        train = (
+            f"Epoch={record.epoch} train: loss={record.train_loss:.4f} samples={record.train_samples} "
+            f"(replica steps {record.replica_steps}) skipped={record.train_filled} "
+            f"GlobalRate={record.global_rate:.1f} time={record.train_seconds:.1f}s"
+        )
+        val = (
+            f"val: accuracy={100 * record.val_accuracy:.2f}% ({record.val_correct}/"
+            f"{record.val_samples}) loss={record.val_loss:.4f} skipped={record.val_filled} | "
+            f"best={100 * best_accuracy:.2f}% (epoch {best_epoch})"
+            if record.evaluated
+            else "val: not this epoch (eval_every)"
+        )
+        # Every replica computes the same reduced numbers; one line per epoch is enough.
+        (log.info if self.runtime.is_master else log.debug)("%s | %s", train, val)
+        values = {
+            "epoch/train_loss": record.train_loss,
+            "epoch/lr": record.lr,
+            "epoch/seconds": record.epoch_seconds,
+            "rate/global": record.global_rate,
+            "xla/compilations": record.compilations,
+        }
+        values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(replica_rates)})
+        if record.evaluated:
+            values.update({"epoch/val_accuracy": record.val_accuracy, "epoch/val_loss": record.val_loss})
+        self.tensorboard.scalars(global_step, values)
+        self.tensorboard.sync()
+
+    def write_history(self, history: list[dict[str, Any]]) -> None:
+        """metrics.jsonl, from the master."""
+        if self.runtime.is_master:
+            self._write_run_file(checkpoint.write_metrics, history)
+
+    def _write_run_file(self, writer: Callable[[str, Any], None], content: Any) -> None:
+        """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""
+        try:
+            writer(self.output_dir, content)
+        except StorageError as exc:
+            log.warning("could not update the run folder (%s); the checkpoints hold the same data", exc)
