@@ -47,6 +47,24 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["eval_every=0", "early_stop_patience=2"], "early_stop_patience needs validation"),
         (["optim.reference_batch_size=0"], "optim.reference_batch_size must be at least 1"),
         (["accelerator=cpu_pod", "strategy=fsdp"], r"strategy=fsdp needs torch_xla's collectives"),
+        # N virtual CPU devices: one GSPMD process (spmd, spmd_fsdp), never N ddp processes.
+        (["strategy=spmd", "accelerator.num_devices=4"], None),
+        (["accelerator.num_devices=4", "strategy=ddp"], r"strategy=ddp.*use 1, strategy=spmd or spmd_fsdp"),
+        (["accelerator=cpu_pod", "strategy=spmd_fsdp"], "the simulated pod .* runs strategy=ddp only"),
+        (
+            ["strategy=spmd", "accelerator.num_devices=0"],
+            "strategy=spmd on CPU needs accelerator.num_devices >= 1",
+        ),
+        (
+            ["accelerator=tpu", "strategy=spmd", "accelerator.num_devices=4"],
+            "drives every device of the host",
+        ),
+        (["strategy=spmd", "debug.check_sync_every=5"], "strategy=spmd runs one program with one model"),
+        # A replica (this host) loads batch_size per device: 4 x 400 is more than the 1438 samples.
+        (
+            ["strategy=spmd_fsdp", "accelerator.num_devices=4", "batch_size=400"],
+            r"batch_size=400 x 4 devices",
+        ),
         (["strategy=fsdp", "debug.check_sync_every=1"], "every replica holds a different shard"),
         (["debug.profiler_port=70000"], "debug.profiler_port must be a TCP port"),
         (["xla_cache_dir=gs://bkt/cache"], "the compile cache must be a local folder"),

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +220,43 @@ def test_spmd_fsdp_shards_wrn_seed_four_ways():
         # Every parameter, wrapped units' and the root's leftovers: split 4 ways along one dimension.
         assert re.fullmatch(r"\{devices=\[(1,)*4(,1)*\]0,1,2,3\}", spec), (name, spec)
     assert probe["per_device"] == pytest.approx(probe["total"] / 4, rel=0.001)
+
+
+def test_checkpoints_cross_between_ddp_and_spmd(digits_root, tmp_path_factory, ddp_10_steps, spmd_two_epochs):
+    in_process = "accelerator.in_process=true"
+    # best.pt of the spmd run, evaluated by ddp on one device: the accuracy the spmd run recorded.
+    folder = tmp_path_factory.mktemp("cross")
+    best = checkpoint_url(spmd_two_epochs, "best.pt")
+    evaluated = run_train(
+        *common(digits_root, str(folder / "eval"), str(folder / "h1"), in_process),
+        "batch_size=32",
+        "eval_only=true",
+        f"resume={best}",
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    record = next(r for r in read_metrics(spmd_two_epochs) if r["epoch"] == load_checkpoint(best)["epoch"])
+    assert f"({record['val_correct']}/359)" in evaluated.stderr
+
+    # ddp's last.pt, 10 steps into epoch 0, continues on the 4-device mesh: the same global
+    # batch of 32, so the same sample order; the optimizer state carries over.
+    run = str(folder / "run")
+    shutil.copytree(ddp_10_steps, run)
+    options = (in_process, *spmd("spmd"), "resume=force")
+    resumed = run_train(*common(digits_root, run, str(folder / "h2"), *options))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at epoch 0, step 10" in resumed.stderr and "starts fresh" not in resumed.stderr
+    assert last(run)["global_step"] == 2 * STEPS_PER_EPOCH
+    # Its next steps' losses are the straight spmd run's. (Both trajectories agree to
+    # float rounding through step 12; from step 13, at the peak learning rate, rounding
+    # differences grow by orders of magnitude per step, in any two runs that differ in
+    # reduction order.)
+    logs = (Path(spmd_two_epochs).parent / "h").glob("*.log")
+    straight = step_losses(" ".join(log.read_text() for log in logs))
+    mine = step_losses(resumed.stderr)
+    for step in (10, 11, 12):
+        assert mine[0, step] == pytest.approx(straight[0, step], abs=1e-4), step
+
+
+def step_losses(log: str) -> dict[tuple[int, int], float]:
+    pattern = r"Epoch=(\d+) Step=(\d+) Loss=([0-9.]+)"
+    return {(int(e), int(s)): float(loss) for e, s, loss in re.findall(pattern, log)}

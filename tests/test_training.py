@@ -121,10 +121,10 @@ def test_primed_optimizer_state_gives_the_same_updates_as_lazy_state():
 def test_linear_scaling_rule_scales_the_peak_with_the_global_batch():
     cfg = config(OptimizerName.sgd)
     cfg.batch_size = 128
-    assert peak_learning_rate(cfg, world_size=8) == cfg.optim.lr  # no reference: lr is the peak
+    assert peak_learning_rate(cfg, devices=8) == cfg.optim.lr  # no reference: lr is the peak
     cfg.optim.reference_batch_size = 256
-    assert peak_learning_rate(cfg, world_size=8) == pytest.approx(cfg.optim.lr * 1024 / 256)
-    assert peak_learning_rate(cfg, world_size=1) == pytest.approx(cfg.optim.lr / 2)
+    assert peak_learning_rate(cfg, devices=8) == pytest.approx(cfg.optim.lr * 1024 / 256)
+    assert peak_learning_rate(cfg, devices=1) == pytest.approx(cfg.optim.lr / 2)
 
 
 def test_weight_decay_groups_use_the_original_shape_of_flat_shards():

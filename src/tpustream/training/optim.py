@@ -54,10 +54,10 @@ class LRSchedule:
         return xla_safe_scalar(self.peak * factor)
 
 
-def make_schedule(cfg: TrainConfig, steps_per_epoch: int, world_size: int) -> LRSchedule:
+def make_schedule(cfg: TrainConfig, steps_per_epoch: int, devices: int) -> LRSchedule:
     """cfg.optim's schedule in steps, peaking at peak_learning_rate."""
     return LRSchedule(
-        peak=peak_learning_rate(cfg, world_size),
+        peak=peak_learning_rate(cfg, devices),
         warmup_steps=max(1, round(cfg.optim.warmup_epochs * steps_per_epoch)),
         total_steps=cfg.epochs * steps_per_epoch,
         kind=cfg.optim.schedule,
@@ -67,12 +67,16 @@ def make_schedule(cfg: TrainConfig, steps_per_epoch: int, world_size: int) -> LR
     )
 
 
-def peak_learning_rate(cfg: TrainConfig, world_size: int) -> float:
-    """optim.lr, scaled linearly to the global batch when optim.reference_batch_size is set."""
+def peak_learning_rate(cfg: TrainConfig, devices: int) -> float:
+    """optim.lr, scaled linearly to the global batch when optim.reference_batch_size is set.
+
+    The global batch is batch_size per device times the devices that train in
+    data parallel: the replicas, or every device of an spmd mesh.
+    """
     reference = cfg.optim.reference_batch_size
     if not reference:
         return cfg.optim.lr
-    return cfg.optim.lr * cfg.batch_size * world_size / reference
+    return cfg.optim.lr * cfg.batch_size * devices / reference
 
 
 def original_ndim(param: torch.Tensor) -> int:

@@ -146,7 +146,7 @@ class EpochReporter:
                 "after %d warmup steps",
                 peak_lr,
                 self.cfg.optim.lr,
-                self.cfg.batch_size * self.runtime.world_size,
+                self.cfg.batch_size * self.runtime.world_size * self.runtime.local_devices,
                 self.cfg.optim.reference_batch_size,
                 warmup_steps,
             )

@@ -100,7 +100,7 @@ class Trainer:
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.steps_per_epoch = train_loader.steps
-        self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size)
+        self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
         self.checkpoints = CheckpointWriter(cfg, runtime)
         self.reporter = EpochReporter(cfg, config_dict, runtime, started_at)
         self.replica_rates: list[float] = []
