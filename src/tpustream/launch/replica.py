@@ -69,7 +69,10 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     from tpustream.training import make_trainer
 
     cfg = plan.cfg
-    log.info("replica %d of %d on %s (pid %d)", runtime.rank, runtime.world_size, runtime.device, os.getpid())
+    devices = runtime.local_devices
+    mesh = f", driving {devices} devices as one GSPMD program" if devices > 1 else ""
+    where = (runtime.rank, runtime.world_size, runtime.device, os.getpid(), mesh)
+    log.info("replica %d of %d on %s (pid %d)%s", *where)
     check_data(cfg, plan.train, plan.val, runtime.world_size, runtime.local_devices)
     check_same_counts(runtime, plan.train, plan.val)
     note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tpustream.runtime.spmd import device_bytes, fsdp_partition_spec
+from tpustream.runtime.spmd import SpmdRuntime, device_bytes, fsdp_partition_spec
 from tpustream.training.trainer import Trainer
 
 log = logging.getLogger("tpustream.training")
@@ -48,6 +48,24 @@ def shard_model(model: nn.Module, mesh: Any, min_params: int) -> nn.Module:
     # images need no gradient; torch warns at every run's first backward.
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     return SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=policy)
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, runtime: SpmdRuntime) -> None:
+    """Shard each state tensor as its parameter is: no device ever holds all of it.
+
+    A module-level function, not only the trainer's hook, so that
+    bench/spmd_memory.py measures the placement training uses.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    for param, state in optimizer.state.items():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+                continue
+            if value.shape == param.shape and value.dim() > 0:
+                xs.mark_sharding(value, runtime.mesh, fsdp_partition_spec(param.shape, runtime.axis))
+            else:
+                runtime.replicate([value])
 
 
 class SpmdTrainer(Trainer):
@@ -128,15 +146,4 @@ class SpmdFsdpTrainer(SpmdTrainer):
         return wrapped
 
     def place_optimizer_state(self) -> None:
-        """Shard each state tensor as its parameter is: no device ever holds all of it."""
-        import torch_xla.distributed.spmd as xs
-
-        mesh, axis = self.runtime.mesh, self.runtime.axis
-        for param, state in self.optimizer.state.items():
-            for value in state.values():
-                if not isinstance(value, torch.Tensor) or value.device.type != "xla":
-                    continue
-                if value.shape == param.shape and value.dim() > 0:
-                    xs.mark_sharding(value, mesh, fsdp_partition_spec(param.shape, axis))
-                else:
-                    self.runtime.replicate([value])
+        shard_optimizer_state(self.optimizer, self.runtime)
