@@ -157,6 +157,7 @@ def spmd_replica_main(index: int, plan: RunPlan) -> None:
     from tpustream.runtime import SpmdRuntime
 
     axis = SPMD_AXIS[plan.cfg.strategy]
+    xr.use_spmd()  # before anything asks the runtime about its devices
     replica_process(
         plan, xr.process_index(), xr.process_count(), lambda: SpmdRuntime(axis, plan.cfg.xla_cache_dir)
     )

@@ -11,7 +11,41 @@ import torch.nn as nn
 from tpustream.runtime.device import XlaDevice
 
 
-class GlooRuntime(XlaDevice):
+class HostCollectives:
+    """Host numbers and objects between replica processes, over torch.distributed's gloo group.
+
+    The simulated pod's replicas use it; so do the hosts of a multi-host spmd
+    run, whose one program leaves no replica collectives to carry host values.
+    """
+
+    world_size: int
+
+    def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        host = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(host)
+        return host.tolist()
+
+    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self, tag: str) -> None:
+        import torch.distributed as dist
+
+        if self.world_size > 1:
+            dist.barrier()
+
+
+class GlooRuntime(HostCollectives, XlaDevice):
     """A simulated pod replica: its own process and XLA CPU device, collectives over gloo.
 
     torch.distributed must already be initialised (gloo) with this rank and
@@ -60,22 +94,3 @@ class GlooRuntime(XlaDevice):
             dist.all_reduce(host)
             out.append(host.to(self.device))
         return out
-
-    def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
-        import torch.distributed as dist
-
-        host = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        dist.all_reduce(host)
-        return host.tolist()
-
-    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
-
-    def barrier(self, tag: str) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()

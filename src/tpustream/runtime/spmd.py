@@ -10,14 +10,14 @@ Replicas, as the trainer counts them, are hosts: ``rank`` is this process's
 index and ``world_size`` the number of processes, each loading its own part of
 the global batch (the exact epoch plan split by host); the loader's batches
 become one global array sharded along the mesh's axis (minibatch sharding).
-Host numbers (stop votes, loader counts, bad shards) travel between hosts as
-small device arrays through the same mechanism, so the code path with one
-host is the one a pod runs.
+Host values (stop votes, loader counts, bad shards, checkpoint pieces) go
+between hosts over a gloo group that torch_xla's xla:// rendezvous sets up;
+with one host they stay in the process. (Only the one-host case runs here:
+XLA:CPU gives one process at most one mesh.)
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from tpustream.runtime.device import ErrorKeepingIterable, XlaDevice, to_host
+from tpustream.runtime.gloo import HostCollectives
 
 
 def fsdp_partition_spec(shape: Sequence[int], axis: str) -> tuple[str | None, ...]:
@@ -52,34 +53,62 @@ def device_bytes(tensors: Sequence[torch.Tensor]) -> int:
 TILED = 3  # torch_xla's ShardingType (OpSharding.Type): split across devices
 
 
-def _whole_on_host(value: Any) -> Any:
-    """value with every device tensor copied to the CPU whole; sharded ones assembled from their shards.
+def _device_tensors(value: Any) -> list[torch.Tensor]:
+    """The XLA tensors in a state, in a fixed order (dicts in insertion order)."""
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _device_tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _device_tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) and value.device.type == "xla" else []
+
+
+def _local_pieces(state: Any) -> list[list[tuple[Any, torch.Tensor]]]:
+    """Per XLA tensor of state, what this host holds of it: [(indices or Ellipsis, CPU data)].
 
     Copying a sharded tensor with .cpu() compiles a small gather program per
-    tensor, and again at every checkpoint (measured: 44 compilations per
-    epoch for a 22-tensor state); its shards come over as plain transfers.
-    Every shard of a tensor must be on this host, as on one host.
+    tensor, at every checkpoint (measured: 44 compilations per epoch for a
+    22-tensor state); its shards come over as plain transfers. A tensor whole
+    on every device is copied once.
     """
-    if isinstance(value, dict):
-        return {k: _whole_on_host(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_whole_on_host(v) for v in value)
-    if not isinstance(value, torch.Tensor) or value.device.type != "xla":
-        return to_host(value)
     import torch_xla
 
-    tensor = value.detach()
-    if torch_xla._XLAC._get_xla_sharding_type(tensor) != TILED:  # whole on every device
-        return tensor.cpu()
-    (shards,) = torch_xla._XLAC._get_local_shards([tensor])
-    (places,) = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])
-    whole = torch.empty(tensor.shape, dtype=tensor.dtype)
-    for (data, _device), (_replica, indices) in zip(shards, places, strict=True):
-        if indices is Ellipsis:
-            return data
-        # A shard at the end of a dimension that does not divide evenly is padded.
-        whole[tuple(indices)] = data[tuple(slice(0, s.stop - s.start) for s in indices)]
-    return whole
+    tensors = [t.detach() for t in _device_tensors(state)]
+    pieces: list[list[tuple[Any, torch.Tensor]]] = []
+    for tensor in tensors:
+        if torch_xla._XLAC._get_xla_sharding_type(tensor) != TILED:
+            pieces.append([(Ellipsis, tensor.cpu())])
+            continue
+        (shards,) = torch_xla._XLAC._get_local_shards([tensor])
+        (places,) = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])
+        mine = []
+        for (data, _device), (_replica, indices) in zip(shards, places, strict=True):
+            # A shard at the end of a dimension that does not divide evenly is padded.
+            mine.append((indices, data[tuple(slice(0, s.stop - s.start) for s in indices)].clone()))
+        pieces.append(mine)
+    return pieces
+
+
+def _assemble(state: Any, hosts: list[list[list[tuple[Any, torch.Tensor]]]]) -> Any:
+    """state with each XLA tensor replaced by the whole CPU tensor made of every host's pieces."""
+    tensors = iter(range(len(hosts[0])))
+
+    def whole(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: whole(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(whole(v) for v in value)
+        if not (isinstance(value, torch.Tensor) and value.device.type == "xla"):
+            return to_host(value)
+        index = next(tensors)
+        result = torch.empty(value.shape, dtype=value.dtype)
+        for host in hosts:
+            for indices, data in host[index]:
+                if indices is Ellipsis:
+                    return data
+                result[tuple(indices)] = data
+        return result
+
+    return whole(state)
 
 
 class _BatchSharding(dict):
@@ -122,7 +151,7 @@ class _NotedBatches:
             yield batch
 
 
-class SpmdRuntime(XlaDevice):
+class SpmdRuntime(HostCollectives, XlaDevice):
     """This host's process, driving every device of a global mesh with one axis named ``axis``."""
 
     def __init__(self, axis: str, compile_cache_dir: str | None = None):
@@ -142,6 +171,14 @@ class SpmdRuntime(XlaDevice):
         self.axis = axis
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), (axis,))
         xs.set_global_mesh(self.mesh)
+        if self.world_size > 1:
+            import torch.distributed as dist
+            import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// rendezvous)
+
+            # Host values between the hosts' processes: torch_xla's rendezvous
+            # finds process 0's host from the TPU metadata (or MASTER_ADDR).
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", init_method="xla://")
 
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         self.replicate(tensors)
@@ -181,51 +218,17 @@ class SpmdRuntime(XlaDevice):
         # Sums over a sharded batch are global values already.
         return list(tensors)
 
-    def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
-        rows = self.all_gather_host(tag, [float(v) for v in values])
-        return [sum(column) for column in zip(*rows, strict=True)]
-
-    def all_gather_host(self, tag: str, value: Any) -> list[Any]:
-        """Every host's value, through one array sharded over hosts (one row each), read back whole."""
-        if self.world_size == 1:
-            return [value]
-        payload = np.frombuffer(pickle.dumps(value), np.uint8)
-        (lengths,) = self._gather_rows(np.array([[len(payload)]], np.int32)).T
-        width = int(lengths.max())
-        row = np.zeros((1, width), np.int32)
-        row[0, : len(payload)] = payload
-        rows = self._gather_rows(row)
-        return [pickle.loads(rows[i, : lengths[i]].astype(np.uint8).tobytes()) for i in range(len(rows))]
-
-    def _gather_rows(self, row: np.ndarray) -> np.ndarray:
-        """(hosts, n): this host's (1, n) row next to every other host's, on every host."""
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-        import torch_xla.distributed.spmd as xs
-
-        # A minibatch array needs a row per local device; the first is ours.
-        local = torch.zeros((self.local_devices, row.shape[1]), dtype=torch.int32)
-        local[0] = torch.from_numpy(row[0])
-        spec = xs.ShardingSpec(self.mesh, (self.axis, None), minibatch=True)
-        (global_rows,) = xm.send_cpu_data_to_device([local], self.device, spec)
-        whole = global_rows + 0  # a computed copy, replicated below
-        xs.mark_sharding(whole, self.mesh, (None, None))
-        torch_xla.sync()
-        return whole.cpu().numpy()[:: self.local_devices]
-
-    def barrier(self, tag: str) -> None:
-        if self.world_size > 1:
-            self.all_gather_host(tag, None)
-
     def state_to_host(self, state: Any) -> Any | None:
         import torch_xla
 
         # Every host cuts the graph at the same point (pending work runs as
-        # the one program it is part of); then the master copies.
+        # the one program it is part of), copies the shards it holds, and the
+        # master puts each tensor together from every host's pieces.
         torch_xla.sync()
+        pieces = self.all_gather_host("state-pieces", _local_pieces(state))
         if not self.is_master:
             return None
-        return _whole_on_host(state)
+        return _assemble(state, pieces)
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
         host = self.state_to_host(state)
