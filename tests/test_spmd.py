@@ -165,6 +165,7 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     straight = train(tmp_path_factory, "fsdp2", digits_root, *options)
     records = read_metrics(straight)
     assert records[0]["compilations"] == records[1]["compilations"]
+    assert [r["val_samples"] for r in records] == [359, 359]
     assert records[1]["val_accuracy"] > 0.5  # chance is 10%
 
     folder = tmp_path_factory.mktemp("fsdp-sigterm")

@@ -236,7 +236,8 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
     # Another unit layout: the optimizer shards do not fit, and the run says so.
-    _, stderr = quick_run(digits_root, interrupted, "strategy=fsdp", "fsdp_wrap_min_params=0", "epochs=3")
+    # (The run is over: it restores, says so, and has nothing left to train.)
+    _, stderr = quick_run(digits_root, interrupted, "strategy=fsdp", "fsdp_wrap_min_params=0", "epochs=2")
     assert "sharded another way or for another world size" in stderr and "optimizer starts fresh" in stderr
 
     # best.pt evaluated by the data-parallel trainer: the accuracy the fsdp run reported.
