@@ -6,9 +6,12 @@ import copy
 import io
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -164,6 +167,26 @@ def run_train(
         env={**os.environ, **(env or {})},
         cwd=str(REPO),
     )
+
+
+def sigterm_at_step(command: list[str], target: int, steps_per_epoch: int) -> tuple[int, str]:
+    """Run train.py in a session of its own; SIGTERM its whole group once it logs global step `target`.
+
+    As on a preempted VM, every process gets the signal. Returns the exit
+    code and stderr. The command must log every step (log_steps=1).
+    """
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    deadline = time.time() + 300
+    for line in process.stderr:
+        lines.append(line)
+        match = re.search(r"Epoch=(\d+) Step=(\d+) Loss", line)
+        if match and int(match.group(1)) * steps_per_epoch + int(match.group(2)) >= target:
+            os.killpg(process.pid, signal.SIGTERM)
+            break
+        assert time.time() < deadline, "the run did not reach the target step"
+    lines.extend(process.stderr)
+    return process.wait(timeout=300), "".join(lines)
 
 
 @pytest.fixture

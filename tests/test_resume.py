@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import random
-import re
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_train, train_command
+from tests.conftest import run_train, sigterm_at_step, train_command
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -93,19 +89,8 @@ def test_sigterm_at_a_random_step_saves_and_resumes_to_the_same_result(digits_ro
     run = str(tmp_path / "run")
     target = random.Random(os.getpid()).randrange(5, 3 * STEPS_PER_EPOCH)
     command = train_command(*common(digits_root, run, str(tmp_path / "h1")), "log_steps=1")
-    # A new session, so the signal goes to the whole process group as on a preempted VM.
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines = []
-    deadline = time.time() + 300
-    for line in process.stderr:
-        lines.append(line)
-        match = re.search(r"Epoch=(\d+) Step=(\d+) Loss", line)
-        if match and int(match.group(1)) * STEPS_PER_EPOCH + int(match.group(2)) >= target:
-            os.killpg(process.pid, signal.SIGTERM)
-            break
-        assert time.time() < deadline, "the run did not reach the target step"
-    lines.extend(process.stderr)
-    assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE, "".join(lines[-40:])
+    code, stderr = sigterm_at_step(command, target, STEPS_PER_EPOCH)
+    assert code == PREEMPTED_EXIT_CODE, stderr[-3000:]
     saved = load_checkpoint(checkpoint_url(run, "last.pt"))
     assert saved["global_step"] >= target
 

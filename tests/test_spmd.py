@@ -16,16 +16,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_train, train_command
+from tests.conftest import run_train, sigterm_at_step, train_command
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -171,17 +169,9 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     folder = tmp_path_factory.mktemp("fsdp-sigterm")
     run = str(folder / "run")
     command = train_command(*common(digits_root, run, str(folder / "h1"), *options))
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines, target, deadline = [], STEPS_PER_EPOCH + 5, time.time() + 300
-    for line in process.stderr:
-        lines.append(line)
-        match = re.search(r"Epoch=(\d+) Step=(\d+) Loss", line)
-        if match and int(match.group(1)) * STEPS_PER_EPOCH + int(match.group(2)) >= target:
-            os.killpg(process.pid, signal.SIGTERM)
-            break
-        assert time.time() < deadline, "the run did not reach the target step"
-    lines.extend(process.stderr)
-    assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE, "".join(lines[-40:])
+    target = STEPS_PER_EPOCH + 5
+    code, stderr = sigterm_at_step(command, target, STEPS_PER_EPOCH)
+    assert code == PREEMPTED_EXIT_CODE, stderr[-3000:]
     saved = last(run)
     assert saved["strategy"] == "spmd_fsdp" and saved["global_step"] >= target
 
