@@ -24,14 +24,13 @@ from tpustream.launch.checks import (
     check_config,
     check_data,
     check_environment,
-    check_resume_config,
-    check_resume_fits,
     check_run_folders,
     known_devices_per_replica,
     known_world_size,
     resolve_config,
     split_options,
 )
+from tpustream.launch.resume_checks import check_resume_config, check_resume_fits
 
 log = logging.getLogger(__name__)
 

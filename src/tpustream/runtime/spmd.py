@@ -183,6 +183,12 @@ class SpmdRuntime(HostCollectives, XlaDevice):
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         self.replicate(tensors)
 
+    def shard_like_parameter(self, tensor: torch.Tensor, shape: Sequence[int]) -> None:
+        """Split tensor as FSDPv2 splits a parameter of this shape (its largest dimension, over the axis)."""
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(tensor, self.mesh, fsdp_partition_spec(shape, self.axis))
+
     def replicate(self, tensors: Iterable[torch.Tensor]) -> None:
         """Annotate device tensors as whole on every device.
 

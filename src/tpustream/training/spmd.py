@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tpustream.runtime.spmd import SpmdRuntime, device_bytes, fsdp_partition_spec
+from tpustream.runtime.spmd import SpmdRuntime, device_bytes
 from tpustream.training.trainer import Trainer
 
 log = logging.getLogger("tpustream.training")
@@ -56,14 +56,12 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, runtime: SpmdRuntime
     A module-level function, not only the trainer's hook, so that
     bench/spmd_memory.py measures the placement training uses.
     """
-    import torch_xla.distributed.spmd as xs
-
     for param, state in optimizer.state.items():
         for value in state.values():
             if not isinstance(value, torch.Tensor) or value.device.type != "xla":
                 continue
             if value.shape == param.shape and value.dim() > 0:
-                xs.mark_sharding(value, runtime.mesh, fsdp_partition_spec(param.shape, runtime.axis))
+                runtime.shard_like_parameter(value, param.shape)
             else:
                 runtime.replicate([value])
 
@@ -74,6 +72,10 @@ class SpmdTrainer(Trainer):
     def loss_denominator(self) -> int:
         # The step sees the global batch at once; nothing averages afterwards.
         return self.cfg.batch_size * self.runtime.num_devices
+
+    def replica_samples(self, batch: dict[str, torch.Tensor]) -> int:
+        # The step's batch is global; this host loaded its share of it.
+        return batch["label"].shape[0] // self.runtime.world_size
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self.runtime.replicate([*model.parameters(), *model.buffers()])

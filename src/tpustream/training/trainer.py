@@ -193,6 +193,10 @@ class Trainer:
         )
         return (per_sample * batch["real"]).sum() / self.loss_denominator()
 
+    def replica_samples(self, batch: dict[str, torch.Tensor]) -> int:
+        """Samples of this step that this replica loaded (its rate; the global rate sums replicas)."""
+        return batch["label"].shape[0]
+
     def loss_denominator(self) -> int:
         """The samples one step's gradient averages over, as this replica's share.
 
@@ -260,7 +264,7 @@ class Trainer:
             step = start_step + index
             loss = self.step_fn(batch)
             sums.add(loss, batch)
-            tracker.add(batch["label"].shape[0])
+            tracker.add(self.replica_samples(batch))
             self.global_step += 1
             self.debug.watch_compiles("train", step, first=first_loop and index == 0)
             self.debug.after_train_step(self.model, self.global_step)
