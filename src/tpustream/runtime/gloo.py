@@ -18,6 +18,7 @@ class HostCollectives:
     run, whose one program leaves no replica collectives to carry host values.
     """
 
+    rank: int
     world_size: int
 
     def reduce_host_sum(self, tag: str, values: Sequence[float]) -> list[float]:
@@ -36,6 +37,16 @@ class HostCollectives:
             return [value]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value)
+        return gathered
+
+    def gather_host(self, tag: str, value: Any) -> list[Any] | None:
+        """Every replica's value, in rank order, on the master only (None elsewhere)."""
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=0)
         return gathered
 
     def barrier(self, tag: str) -> None:

@@ -62,13 +62,13 @@ def _device_tensors(value: Any) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) and value.device.type == "xla" else []
 
 
-def _local_pieces(state: Any) -> list[list[tuple[Any, torch.Tensor]]]:
+def _local_pieces(state: Any, master: bool) -> list[list[tuple[Any, torch.Tensor]]]:
     """Per XLA tensor of state, what this host holds of it: [(indices or Ellipsis, CPU data)].
 
     Copying a sharded tensor with .cpu() compiles a small gather program per
     tensor, at every checkpoint (measured: 44 compilations per epoch for a
     22-tensor state); its shards come over as plain transfers. A tensor whole
-    on every device is copied once.
+    on every device is copied once, by the master, which has it too.
     """
     import torch_xla
 
@@ -76,7 +76,7 @@ def _local_pieces(state: Any) -> list[list[tuple[Any, torch.Tensor]]]:
     pieces: list[list[tuple[Any, torch.Tensor]]] = []
     for tensor in tensors:
         if torch_xla._XLAC._get_xla_sharding_type(tensor) != TILED:
-            pieces.append([(Ellipsis, tensor.cpu())])
+            pieces.append([(Ellipsis, tensor.cpu())] if master else [])
             continue
         (shards,) = torch_xla._XLAC._get_local_shards([tensor])
         (places,) = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])
@@ -231,8 +231,8 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         # the one program it is part of), copies the shards it holds, and the
         # master puts each tensor together from every host's pieces.
         torch_xla.sync()
-        pieces = self.all_gather_host("state-pieces", _local_pieces(state))
-        if not self.is_master:
+        pieces = self.gather_host("state-pieces", _local_pieces(state, self.is_master))
+        if pieces is None:  # not the master
             return None
         return _assemble(state, pieces)
 
