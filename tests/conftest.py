@@ -169,6 +169,28 @@ def run_train(
     )
 
 
+def assert_same_run(run: str, reference: str, steps: int) -> None:
+    """Two run folders hold the same training: last.pt bit for bit after `steps` steps, the same records."""
+    import torch
+
+    from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
+
+    got, want = (
+        load_checkpoint(checkpoint_url(run, "last.pt")),
+        load_checkpoint(checkpoint_url(reference, "last.pt")),
+    )
+    assert got["global_step"] == want["global_step"] == steps
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"{name} differs"  # bitwise
+    for a, b in zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    for mine, theirs in zip(read_metrics(run), read_metrics(reference), strict=True):
+        for key in ("val_correct", "val_samples", "train_samples", "replica_steps", "epoch"):
+            assert mine[key] == theirs[key], key
+        # Reduction order differs once an epoch is split across two runs.
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
+
+
 def sigterm_at_step(command: list[str], target: int, steps_per_epoch: int) -> tuple[int, str]:
     """Run train.py in a session of its own; SIGTERM its whole group once it logs global step `target`.
 

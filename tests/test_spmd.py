@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_train, sigterm_at_step, train_command
+from tests.conftest import assert_same_run, run_train, sigterm_at_step, train_command
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -92,20 +92,6 @@ def assert_close_weights(got: dict, want: dict, tolerance: float) -> None:
             assert torch.equal(got[name], tensor), name  # BatchNorm's num_batches_tracked
 
 
-def assert_same_run(run: str, reference: str) -> None:
-    """Bitwise the same weights and optimizer state, the same epoch records."""
-    got, want = last(run), last(reference)
-    assert got["global_step"] == want["global_step"]
-    for name, tensor in want["model"].items():
-        assert torch.equal(got["model"][name], tensor), f"{name} differs"
-    for a, b in zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True):
-        assert all(torch.equal(a[k], b[k]) for k in b)
-    for mine, theirs in zip(read_metrics(run), read_metrics(reference), strict=True):
-        for key in ("val_correct", "val_samples", "train_samples", "replica_steps", "epoch"):
-            assert mine[key] == theirs[key], key
-        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
-
-
 def test_spmd_on_4_devices_matches_one_device_with_the_global_batch(ddp_10_steps, spmd_10_steps):
     got, want = last(spmd_10_steps), last(ddp_10_steps)
     assert got["global_step"] == want["global_step"] == 10
@@ -154,7 +140,7 @@ def test_spmd_evaluates_exactly_compiles_once_and_resumes_bitwise(
     resumed = run_train(*common(digits_root, run, str(folder / "h"), in_process, *spmd("spmd")))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at epoch 0, step 10" in resumed.stderr
-    assert_same_run(run, spmd_two_epochs)
+    assert_same_run(run, spmd_two_epochs, steps=2 * STEPS_PER_EPOCH)
 
 
 def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory):
@@ -178,7 +164,7 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     in_process = "accelerator.in_process=true"
     resumed = run_train(*common(digits_root, run, str(folder / "h2"), in_process, *options))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_run(run, straight)
+    assert_same_run(run, straight, steps=2 * STEPS_PER_EPOCH)
 
 
 SHARDING_PROBE = r"""
