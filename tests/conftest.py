@@ -195,7 +195,8 @@ def sigterm_at_step(command: list[str], target: int, steps_per_epoch: int) -> tu
     """Run train.py in a session of its own; SIGTERM its whole group once it logs global step `target`.
 
     As on a preempted VM, every process gets the signal. Returns the exit
-    code and stderr. The command must log every step (log_steps=1).
+    code and stderr. The signal goes at the first logged step at or past the
+    target, so the command should log every step (log_steps=1) for an exact one.
     """
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines = []

@@ -34,12 +34,14 @@ STEPS_PER_EPOCH = TRAIN_SAMPLES // 32
 
 
 def common(root: str, out: str, hydra_dir: str, *extra: str) -> list[str]:
+    """The runs' shared overrides; log_steps=1 unless extra sets it."""
+    logging = [] if any(o.startswith("log_steps=") for o in extra) else ["log_steps=1"]
     return [
         f"data.root={root}",
         f"data.train_shards='{root}/train/train-{{000000..000001}}.tar'",
         f"output_dir={out}",
         "data.num_workers=0",
-        "log_steps=1",
+        *logging,
         "epochs=2",  # in every run: the learning-rate schedule spans them
         f"hydra.run.dir={hydra_dir}",
         *extra,
@@ -144,8 +146,20 @@ def test_spmd_evaluates_exactly_compiles_once_and_resumes_bitwise(
 
 
 def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory):
-    """micro_batches=2 and bf16 too; the replica in a child process, the signal to the whole group."""
-    options = (*spmd("spmd_fsdp"), "fsdp_wrap_min_params=1000", "micro_batches=2", "precision=bf16")
+    """micro_batches=2 and bf16 too; the replica in a child process, the signal to the whole group.
+
+    With the default log_steps and saves mid-epoch: a save that no logged
+    loss had just waited for read shards still being computed and crashed
+    (issue 18); log_steps=1 hid it.
+    """
+    options = (
+        *spmd("spmd_fsdp"),
+        "fsdp_wrap_min_params=1000",
+        "micro_batches=2",
+        "precision=bf16",
+        "log_steps=20",
+        "checkpoint.every_n_steps=5",
+    )
     straight = train(tmp_path_factory, "fsdp2", digits_root, *options)
     records = read_metrics(straight)
     assert records[0]["compilations"] == records[1]["compilations"]
@@ -155,11 +169,11 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     folder = tmp_path_factory.mktemp("fsdp-sigterm")
     run = str(folder / "run")
     command = train_command(*common(digits_root, run, str(folder / "h1"), *options))
-    target = STEPS_PER_EPOCH + 5
+    target = STEPS_PER_EPOCH  # logged at epoch 1's step 0; the stop comes a few steps later
     code, stderr = sigterm_at_step(command, target, STEPS_PER_EPOCH)
     assert code == PREEMPTED_EXIT_CODE, stderr[-3000:]
     saved = last(run)
-    assert saved["strategy"] == "spmd_fsdp" and saved["global_step"] >= target
+    assert saved["strategy"] == "spmd_fsdp" and target <= saved["global_step"] < 2 * STEPS_PER_EPOCH
 
     in_process = "accelerator.in_process=true"
     resumed = run_train(*common(digits_root, run, str(folder / "h2"), in_process, *options))

@@ -45,7 +45,7 @@ def device_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes the first device holds of these tensors, read from their shards (padding included)."""
     import torch_xla
 
-    torch_xla.sync()
+    torch_xla.sync(wait=True)  # shards of tensors still being computed cannot be read
     shards = torch_xla._XLAC._get_local_shards(list(tensors))
     return sum(per_device[0][0].numel() * per_device[0][0].element_size() for per_device in shards)
 
@@ -229,8 +229,14 @@ class SpmdRuntime(HostCollectives, XlaDevice):
 
         # Every host cuts the graph at the same point (pending work runs as
         # the one program it is part of), copies the shards it holds, and the
-        # master puts each tensor together from every host's pieces.
-        torch_xla.sync()
+        # master puts each tensor together from every host's pieces. The cut
+        # must also wait for that program: sync() returns while it still runs,
+        # and reading a shard of a tensor it is computing fails ("Trying to
+        # access XLA data ... while an async operation is in flight"). Only
+        # whole tensors' .cpu() waits by itself, so saves passed whenever a
+        # step closure had just read the loss (log_steps=1) and crashed
+        # mid-epoch otherwise.
+        torch_xla.sync(wait=True)
         pieces = self.gather_host("state-pieces", _local_pieces(state, self.is_master))
         if pieces is None:  # not the master
             return None
