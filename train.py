@@ -14,13 +14,15 @@ import time
 # multirun run in the same process and count from their own start.
 PROCESS_START = [time.time()]
 
-if __name__ == "__mp_main__":
-    # This file is also the main module of the processes that xmp.spawn and
-    # the simulated pod start, and of their DataLoader workers; this runs on
-    # their main thread, the only one allowed to install signal handlers, so
-    # SIGTERM and SIGINT become a stop request there instead of killing them
-    # mid-step. First thing, before the heavy imports: a worker killed by a
-    # signal in the second it spends importing torch would fail its replica.
+if __name__ in ("__main__", "__mp_main__"):
+    # SIGTERM and SIGINT become a stop request instead of killing the process,
+    # first thing, before the heavy imports. In train.py itself: a stop in the
+    # seconds before the replicas start ends the run there (exit 75, 130 for
+    # Ctrl-C) instead of being lost. This file is also the main module of the
+    # processes that xmp.spawn and the simulated pod start, and of their
+    # DataLoader workers; this runs on their main thread, the only one allowed
+    # to install signal handlers: a worker killed by a signal in the second it
+    # spends importing torch would fail its replica.
     from tpustream.preemption import install_stop_handlers as install_early
 
     install_early()
@@ -31,10 +33,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from tpustream.checkpoint import OVERWRITE_RESUME
 from tpustream.config import register_configs
-from tpustream.errors import PREEMPTED_EXIT_CODE, TpustreamError
+from tpustream.errors import TpustreamError
 from tpustream.launch import describe_result, launch, prepare
-from tpustream.preemption import Preempted, install_stop_handlers
+from tpustream.preemption import Preempted, StoppedBeforeStart, install_stop_handlers
 
 log = logging.getLogger("train")
 register_configs()
@@ -56,13 +59,18 @@ def main(cfg: DictConfig) -> None:
     install_stop_handlers()  # this process waits for its replicas, and reports
     try:
         result = launch(prepare(cfg, started_at=started))
+    except StoppedBeforeStart as exc:
+        log.warning("stopped before training started (%s)", exc)
+        sys.exit(exc.exit_code)
     except Preempted as exc:
+        again = "run the same command" if cfg.resume != OVERWRITE_RESUME else "run it with resume=auto"
         log.warning(
-            "preempted (%s); progress is in %s/checkpoints/last.pt: run the same command to continue",
+            "preempted (%s); progress is in %s/checkpoints/last.pt: %s to continue",
             exc,
             cfg.output_dir,
+            again,
         )
-        sys.exit(PREEMPTED_EXIT_CODE)
+        sys.exit(exc.exit_code)
     except TpustreamError as exc:
         log.error("%s", exc)
         if is_multirun():

@@ -140,13 +140,15 @@ def test_resume_auto_falls_back_to_best_and_never_silently_past_damaged_checkpoi
     best.unlink()
     last.write_bytes(b"")  # a zero-byte last.pt (a disk that filled up) and no best.pt
     with pytest.raises(
-        ConfigError, match=r"last.pt: damaged or not a checkpoint \(the file is empty\).*resume=null"
+        ConfigError, match=r"last.pt: damaged or not a checkpoint \(the file is empty\).*resume=overwrite"
     ):
         resolve_resume("auto", out)
+    elsewhere = tmp_path / "elsewhere.pt"
+    elsewhere.write_bytes(b"")
     with pytest.raises(CheckpointError, match="the file is empty"):
-        resolve_resume(str(last), out)  # an explicit checkpoint must be valid
+        resolve_resume(str(elsewhere), str(tmp_path / "new-run"))  # an explicit checkpoint must be valid
     with pytest.raises(ConfigError, match="no checkpoint at"):
-        resolve_resume(str(tmp_path / "missing.pt"), out)
+        resolve_resume(str(tmp_path / "missing.pt"), str(tmp_path / "new-run"))
 
 
 def test_a_failed_write_keeps_the_checkpoint_locally_and_says_where(tmp_path, monkeypatch, caplog):

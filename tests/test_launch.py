@@ -154,14 +154,24 @@ def test_output_dir_in_a_missing_bucket_fails_before_training(prepared, gcs_emul
         prepared("output_dir=gs://no-such-bucket-tps/run")
 
 
+def checkpoint_bytes(weights: dict, config: dict | None = None, **position) -> bytes:
+    """A checkpoint as the trainer writes one: these weights, config and TrainState fields."""
+    from tpustream.checkpoint import encode_checkpoint
+    from tpustream.training.state import TrainState
+
+    content = TrainState(**position).to_checkpoint(
+        model=weights, optimizer={}, strategy="ddp", rng={}, data_plan={}, config=config or {}
+    )
+    return encode_checkpoint({**content, "config": config})
+
+
 def test_resuming_another_model_is_one_line_naming_the_tensor(prepared, tmp_path):
     from tpustream import storage
-    from tpustream.checkpoint import encode_checkpoint
     from tpustream.models import create_model
 
     out = str(tmp_path / "run")
     weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3, width=8).state_dict()
-    storage.write_bytes(f"{out}/checkpoints/last.pt", encode_checkpoint({"model": weights}))
+    storage.write_bytes(f"{out}/checkpoints/last.pt", checkpoint_bytes(weights))
     prepared(f"output_dir={out}", "resume=auto", "model.options.width=8")  # the same model: fine
     with pytest.raises(
         ConfigError, match=r"holds another model than model=small_cnn with 10 classes \(.* differ"
@@ -182,24 +192,101 @@ def test_one_bad_job_of_a_multirun_does_not_stop_the_others(digits_root, tmp_pat
 
 def test_a_run_folder_continued_under_another_config_is_refused_naming_the_keys(prepared, tmp_path, caplog):
     from tpustream import storage
-    from tpustream.checkpoint import encode_checkpoint
     from tpustream.models import create_model
 
     out = str(tmp_path / "run")
     made = prepared(f"output_dir={out}", "optim.lr=0.05")
     weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
-    storage.write_bytes(
-        f"{out}/checkpoints/last.pt", encode_checkpoint({"model": weights, "config": made.config_dict})
-    )
+    storage.write_bytes(f"{out}/checkpoints/last.pt", checkpoint_bytes(weights, made.config_dict))
     # Where and on what it runs, and longer: the same run, continued.
     prepared(f"output_dir={out}", "resume=auto", "optim.lr=0.05", "epochs=30", "data.num_workers=0")
     with pytest.raises(
         ConfigError,
         match=r"holds a run made with another config \(batch_size: 64 -> 32; "
-        r"optim.lr: 0.05 -> 0.1\): choose another output_dir, or set resume=force",
+        r"optim.lr: 0.05 -> 0.1\): choose another output_dir, set resume=force to continue that run",
     ):
         prepared(f"output_dir={out}", "resume=auto", "batch_size=32")
     assert prepared(f"output_dir={out}", "resume=force").resume_url.endswith("/checkpoints/last.pt")
     caplog.clear()
     prepared(f"output_dir={tmp_path}/new", f"resume={out}/checkpoints/last.pt")  # named: fine-tuning
     assert "written with another config (optim.lr: 0.05 -> 0.1)" in caplog.text
+
+
+def finished_run(out: str, epochs: int = 3, best_epoch: int = 1) -> bytes:
+    """A run folder as a run of small_cnn leaves it after `epochs` evaluated epochs: checkpoints, metrics."""
+    from tpustream import storage
+    from tpustream.checkpoint import write_metrics
+    from tpustream.models import create_model
+
+    history = [
+        {"epoch": e, "val_accuracy": 0.9248 if e == best_epoch else 0.5, "val_correct": 1, "val_samples": 2}
+        for e in range(epochs)
+    ]
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
+    data = checkpoint_bytes(weights, None, epoch=epochs, history=history, best_epoch=best_epoch)
+    for name in ("best.pt", "last.pt"):
+        storage.write_bytes(f"{out}/checkpoints/{name}", data)
+    write_metrics(out, history)
+    return data
+
+
+def test_a_fresh_start_never_overwrites_a_run_without_resume_overwrite(prepared, tmp_path, caplog):
+    """Issue 18 (4): resume=null on a finished run refused, naming what it would lose; overwrite deletes."""
+    from tpustream.checkpoint import read_metrics
+
+    out = str(tmp_path / "run")
+    finished_run(out)
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run \(3 epoch\(s\), best validation accuracy 92.48% at epoch 1\) that resume=null "
+        r"would overwrite \(checkpoints/best.pt, checkpoints/last.pt, metrics.jsonl\).*resume=overwrite",
+    ):
+        prepared(f"output_dir={out}")  # the fixture says resume=null
+    assert len(read_metrics(out)) == 3  # nothing was touched
+    # The model-mismatch error's advice no longer points at the refused resume=null.
+    with pytest.raises(ConfigError, match=r"holds another model.*resume=overwrite to delete the run there"):
+        prepared(f"output_dir={out}", "resume=auto", "model.options.width=8")
+    plan = prepared(f"output_dir={out}", "resume=overwrite")
+    assert plan.resume_url is None and not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+    assert read_metrics(out) == [] and "deleted the earlier run" in caplog.text
+
+
+def test_the_run_folders_own_checkpoint_wins_over_the_one_that_started_it(prepared, tmp_path, caplog):
+    """Issue 18 (3): resume=URL (fine-tuning) started the run; rerun, it continues from its own last.pt."""
+    from tpustream import storage
+    from tpustream.models import create_model
+
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
+    start = str(tmp_path / "pretrained.pt")
+    storage.write_bytes(start, checkpoint_bytes(weights, None))
+    out = str(tmp_path / "run")
+    assert prepared(f"output_dir={out}", f"resume={start}").resume_url == start
+    made = prepared(f"output_dir={tmp_path}/other", "resume=null")  # this config, as the run saved it
+    storage.write_bytes(f"{out}/checkpoints/last.pt", checkpoint_bytes(weights, made.config_dict, epoch=1))
+    plan = prepared(f"output_dir={out}", f"resume={start}")
+    assert plan.resume_url == f"{out}/checkpoints/last.pt"
+    assert f"resume={start} started this run; {out} has a checkpoint of its own now" in caplog.text
+    # Its own checkpoint under another config: refused as resume=auto would be.
+    with pytest.raises(ConfigError, match=r"holds a run made with another config \(batch_size: 64 -> 32\)"):
+        prepared(f"output_dir={out}", f"resume={start}", "batch_size=32")
+
+
+def test_a_finished_or_early_stopped_run_is_not_trained_again(prepared, tmp_path):
+    """Issue 18 (5, 7): nothing is spawned for a finished folder; a finished named checkpoint is an error."""
+    from tpustream.launch import describe_result, launch
+
+    out = str(tmp_path / "run")
+    finished_run(out, epochs=4, best_epoch=1)
+    plan = prepared(f"output_dir={out}", "resume=auto", "epochs=10", "early_stop_patience=2")
+    assert "stopped early after epoch 3: no better validation accuracy for 2 epoch(s)" in plan.finished
+    result = launch(plan)  # no replica: a device would take seconds, and the test would hang without one
+    assert describe_result(result, out).startswith("best validation accuracy 92.48% (1/2) at epoch 1")
+    # More patience, or more epochs than a run without early stopping did: it trains on.
+    assert prepared(f"output_dir={out}", "resume=auto", "epochs=10", "early_stop_patience=3").finished is None
+    done = prepared(f"output_dir={out}", "resume=auto", "epochs=4").finished
+    assert done.startswith("it already finished 4")
+    with pytest.raises(
+        ConfigError,
+        match=r"resume=.*last.pt: nothing to train, it already finished 4 epoch\(s\) \(epochs=4\); raise",
+    ):
+        prepared(f"output_dir={tmp_path}/new", f"resume={out}/checkpoints/last.pt", "epochs=4")

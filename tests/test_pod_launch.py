@@ -607,6 +607,7 @@ def test_dry_run_prints_the_commands_and_runs_nothing(gcloud, tmp_path, monkeypa
         ([], "no command: put it after --"),
         (["--"], "no command: put it after --"),
         (["--max-restarts", "-1", "--", "x"], "--max-restarts must be >= 0"),
+        (["--restart", "--", "python", "train.py", "resume=overwrite"], "would start the run over"),
         (["--bogus", "--", "x"], "unrecognized arguments: --bogus"),
     ],
 )

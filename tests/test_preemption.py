@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import multiprocessing
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, train_command
+from tests.conftest import REPO, train_command, write_wds_shards
 from tpustream import preemption
 from tpustream.checkpoint import checkpoint_url, load_checkpoint
 from tpustream.errors import PREEMPTED_EXIT_CODE
@@ -129,3 +133,108 @@ def test_a_stop_signal_saves_last_pt_and_exits_75(digits_root, tmp_path, signum,
     saved = load_checkpoint(checkpoint_url(f"{tmp_path}/run", "last.pt"))
     assert saved["global_step"] >= saved_steps
     assert "run the same command to continue" in text
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_stop_before_the_replicas_start_ends_the_run_there(
+    monkeypatch, compose_config, digits_root, signum, code
+):
+    """Issue 18 (2): requested before spawning, a stop is final: no replica starts (exit 75, Ctrl-C 130)."""
+    from tpustream.launch import launch, prepare
+
+    plan = prepare(compose_config(f"data.root={digits_root}", "resume=null"))
+    monkeypatch.setattr(preemption, "_requested", type(preemption._requested)())
+    monkeypatch.setattr(preemption, "_received", [])
+    monkeypatch.setattr(preemption, "forward_stop_to_children", lambda: None)
+    preemption._on_signal(signum, None)
+    with pytest.raises(preemption.StoppedBeforeStart, match="before the replicas started") as stopped:
+        launch(plan)  # it would spawn a replica that never hears of the stop
+    assert stopped.value.exit_code == code
+    with pytest.raises(preemption.StoppedBeforeStart, match="while the training split was read"):
+        prepare(compose_config(f"data.root={digits_root}", "resume=null"))
+
+
+def handlers_installed(pid: int) -> bool:
+    """The process catches SIGTERM: train.py's stop handlers are in place (Python catches only SIGINT)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def finish(process: subprocess.Popen) -> str:
+    try:
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return out + err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_train_py_starts_stops_it_before_any_replica(digits_root, tmp_path):
+    """Ctrl-C in train.py's first second (its imports): exit 130, no replica, nothing written."""
+    process = start_train(digits_root, tmp_path, "epochs=1")
+    deadline = time.time() + 60
+    while not handlers_installed(process.pid):
+        assert time.time() < deadline and process.poll() is None, "train.py never installed its handlers"
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGINT)
+    text = finish(process)
+    assert process.returncode == 130, text[-3000:]
+    assert "stopped before training started (SIGINT" in text and "replica 0 of 1" not in text
+    assert "Traceback" not in text and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.fixture
+def slow_http_folder(tmp_path):
+    """A folder served over http://127.0.0.1, each answer 2 s late: (folder, URL, first request seen)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    asked = threading.Event()
+
+    class SlowHandler(http.server.SimpleHTTPRequestHandler):
+        def send_head(self):
+            asked.set()
+            time.sleep(2.0)
+            return super().send_head()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(SlowHandler, directory=folder)
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.slow
+def test_sigterm_while_samples_are_counted_stops_before_any_replica(slow_http_folder, tmp_path):
+    """A SIGTERM while an unindexed split is counted (minutes for a large bucket): exit 75 at once."""
+    folder, url, asked = slow_http_folder
+    write_wds_shards(str(folder), "shard-%06d.tar", 40, maxcount=10)
+    shards = f"'{url}/shard-{{000000..000003}}.tar'"
+    command = train_command(
+        f"data.train_shards={shards}",
+        f"data.val_shards={shards}",
+        "data.num_classes=10",
+        f"output_dir={tmp_path}/run",
+        f"hydra.run.dir={tmp_path}/h",
+    )
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert asked.wait(timeout=120), "train.py never read the shards"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+    text = finish(process)
+    assert process.returncode == PREEMPTED_EXIT_CODE, text[-3000:]
+    assert "stopped before training started (SIGTERM while counting samples" in text, text[-3000:]
+    assert "replica 0 of 1" not in text and "Traceback" not in text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -224,6 +225,8 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
         digits_root, interrupted, *fsdp, "epochs=2", f"debug.stop_at_step={SUBSET_STEPS + 5}"
     )
     assert "stopped at epoch 1, step 5" in stderr
+    relaid = tmp_path / "relaid"
+    shutil.copytree(interrupted, relaid)
     resumed, _ = quick_run(digits_root, interrupted, *fsdp, "epochs=2")
     got = last_state(resumed)
     for name, tensor in state["model"].items():
@@ -235,9 +238,16 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
     ):
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
-    # Another unit layout: the optimizer shards do not fit, and the run says so.
-    # (The run is over: it restores, says so, and has nothing left to train.)
-    _, stderr = quick_run(digits_root, interrupted, "strategy=fsdp", "fsdp_wrap_min_params=0", "epochs=2")
+    # Another unit layout: the optimizer shards do not fit, and the run says so
+    # (one step after restoring: a finished run starts no replica).
+    _, stderr = quick_run(
+        digits_root,
+        relaid,
+        "strategy=fsdp",
+        "fsdp_wrap_min_params=0",
+        "epochs=2",
+        f"debug.stop_at_step={SUBSET_STEPS + 6}",
+    )
     assert "sharded another way or for another world size" in stderr and "optimizer starts fresh" in stderr
 
     # best.pt evaluated by the data-parallel trainer: the accuracy the fsdp run reported.

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import OmegaConf
@@ -70,6 +70,9 @@ RESUME_MAY_DIFFER = (
     "data.prefetch_factor",
 )
 FORCE_RESUME = "force"
+# resume=overwrite: start fresh in a run folder that holds a run, deleting it
+# first (resume=null refuses to: it would overwrite best.pt and metrics.jsonl).
+OVERWRITE_RESUME = "overwrite"
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -201,31 +204,57 @@ def save_checkpoint(
     return kept_at
 
 
+class ResumePoint(NamedTuple):
+    """The checkpoint a run continues from."""
+
+    url: str
+    state: dict[str, Any]  # verified: reading it is how it is checked
+    own: bool  # the run folder's own checkpoint (this run continues), not one named by resume=URL
+
+
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     """The checkpoint URL to continue from, or None to start fresh (see find_resume)."""
     found = find_resume(resume, output_dir)
-    return found[0] if found else None
+    return found.url if found else None
 
 
-def find_resume(resume: str | None, output_dir: str) -> tuple[str, dict[str, Any]] | None:
-    """The checkpoint to continue from, as (URL, verified state), or None to start fresh.
+def find_resume(resume: str | None, output_dir: str) -> ResumePoint | None:
+    """The checkpoint to continue from, or None to start fresh.
 
-    The state is returned because reading it is how it is verified: callers
-    that need its contents (the pre-spawn shape check) do not read it again.
     "auto" (and "force", which the caller lets continue under another config)
     continues from output_dir's last.pt; if that is damaged it says so and
     uses best.pt. If checkpoints are there but none is usable, that is an
     error, not a fresh start: the new run would overwrite them and the user
     would lose whatever a repair could still save.
-    An explicit path or URL must be a valid checkpoint.
+    An explicit path or URL (resume=URL, e.g. to fine-tune) must be a valid
+    checkpoint, and starts the run: once the run folder has a checkpoint of
+    its own, that one wins, so that the same command (or ``launch --restart``)
+    after a preemption continues the run instead of starting it over.
     """
-    if resume is None or resume == "":
+    if resume is None or resume in ("", OVERWRITE_RESUME):
         return None
-    if resume not in ("auto", FORCE_RESUME):
-        url = storage.absolute(resume)
-        if not storage.exists(url):
-            raise ConfigError(f"resume={resume}: no checkpoint at {url}")
-        return url, load_checkpoint(url)
+    own = _own_checkpoint(resume, output_dir)
+    if resume in ("auto", FORCE_RESUME):
+        return own
+    url = storage.absolute(resume)
+    if own is not None:
+        if own.url != url:
+            log.warning(
+                "resume=%s started this run; %s has a checkpoint of its own now, so the run continues "
+                "from %s (a new output_dir starts another run from %s)",
+                resume,
+                output_dir,
+                own.url,
+                resume,
+            )
+        return own
+    if not storage.exists(url):
+        raise ConfigError(f"resume={resume}: no checkpoint at {url}")
+    return ResumePoint(url, load_checkpoint(url), own=False)
+
+
+def _own_checkpoint(resume: str, output_dir: str) -> ResumePoint | None:
+    """output_dir's last.pt, else its best.pt if last.pt is damaged; an error if none is usable."""
     damaged = []
     for name in (LAST, BEST):
         url = checkpoint_url(output_dir, name)
@@ -239,13 +268,31 @@ def find_resume(resume: str | None, output_dir: str) -> tuple[str, dict[str, Any
             continue
         if damaged:
             log.warning("resume=%s: continuing from %s instead", resume, url)
-        return url, state
+        return ResumePoint(url, state, own=True)
     if damaged:
         raise ConfigError(
             f"resume={resume}: no usable checkpoint in {output_dir}/checkpoints ({'; '.join(damaged)}); "
-            "move them away to keep them, or set resume=null to start fresh and overwrite them"
+            f"move them away to keep them, or set resume={OVERWRITE_RESUME} to start fresh and delete them"
         )
     return None
+
+
+# What a run leaves in its folder that a fresh start would overwrite.
+RUN_FILES = (f"{CHECKPOINTS}/{BEST}", f"{CHECKPOINTS}/{LAST}", METRICS)
+
+
+def existing_run_files(output_dir: str) -> list[str]:
+    """The files of an earlier run in output_dir (relative names), if any."""
+    return [name for name in RUN_FILES if storage.exists(storage.join(output_dir, *name.split("/")))]
+
+
+def delete_run_files(output_dir: str) -> list[str]:
+    """Delete an earlier run's files from output_dir (resume=overwrite); their relative names."""
+    names = existing_run_files(output_dir)
+    # metrics.jsonl last: until it goes, the folder still says what it held.
+    for name in sorted(names, key=lambda n: n == METRICS):
+        storage.delete(storage.join(output_dir, *name.split("/")))
+    return names
 
 
 def write_config(output_dir: str, config: Mapping[str, Any]) -> None:

@@ -266,10 +266,12 @@ class TrainConfig:
     output_dir: str = MISSING
     # Local folder for per-replica log files (Hydra's run folder by default).
     log_dir: str | None = None
-    # null: start fresh; "auto": continue from output_dir's checkpoints/last.pt if it
-    # is there (or best.pt if last.pt is damaged), refusing if that run's config
-    # differs (the error names the keys); "force": the same, accepting the
-    # difference; otherwise a checkpoint path or gs:// URL to continue from.
+    # null: start fresh (refused if output_dir holds a run); "overwrite": delete
+    # the run in output_dir and start fresh; "auto": continue from output_dir's
+    # checkpoints/last.pt if it is there (or best.pt if last.pt is damaged),
+    # refusing if that run's config differs (the error names the keys); "force":
+    # the same, accepting the difference; otherwise a checkpoint path or gs://
+    # URL to start from (e.g. to fine-tune), until output_dir has a last.pt of its own.
     resume: str | None = "auto"
     # Evaluate every this many epochs and after the last one (0 = never: no
     # best.pt, last.pt only).

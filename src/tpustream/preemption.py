@@ -32,7 +32,13 @@ from tpustream.errors import PREEMPTED_EXIT_CODE
 log = logging.getLogger(__name__)
 
 _requested = threading.Event()
+# The signals that asked this process to stop, first first (process-wide, as the flag).
+_received: list[int] = []
+# Set while this process starts its replicas: the forwarder keeps going though none is up yet.
+_starting_children = threading.Event()
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Exit code of a Ctrl-C that stopped a run before anything was trained (128 + SIGINT, as shells use).
+INTERRUPTED_EXIT_CODE = 130
 
 
 class Preempted(Exception):
@@ -41,7 +47,43 @@ class Preempted(Exception):
     exit_code = PREEMPTED_EXIT_CODE
 
 
+class StoppedBeforeStart(Preempted):
+    """A stop was requested before the replicas started: nothing was trained, nothing to save.
+
+    Exit 75 for SIGTERM (a launcher may start the run again), 130 for Ctrl-C
+    (the user stopped it; nothing to continue).
+    """
+
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED_EXIT_CODE if _received[:1] == [signal.SIGINT] else PREEMPTED_EXIT_CODE
+
+
+def raise_if_stop_requested(where: str) -> None:
+    """Before the replicas start: end the run here if a stop was requested (StoppedBeforeStart)."""
+    if _requested.is_set():
+        names = "/".join(dict.fromkeys(signal.Signals(s).name for s in _received)) or "a stop request"
+        raise StoppedBeforeStart(f"{names} {where}; nothing was trained")
+
+
+@contextlib.contextmanager
+def starting_replicas():
+    """Around starting this process's replicas and waiting for them.
+
+    A stop requested before is final here (StoppedBeforeStart); one that
+    comes while they start reaches them: the forwarder goes on sending it
+    until they are up and gone, instead of giving up when it finds none yet.
+    """
+    raise_if_stop_requested("before the replicas started")
+    _starting_children.set()
+    try:
+        yield
+    finally:
+        _starting_children.clear()
+
+
 def _on_signal(signum: int, frame) -> None:
+    _received.append(signum)
     if not _requested.is_set():
         _requested.set()
         # Logging from a signal handler is safe enough here: the handler runs
@@ -83,7 +125,7 @@ def _signal_children() -> bool:
 def _keep_forwarding() -> None:
     while True:
         time.sleep(FORWARD_AGAIN_SECONDS)
-        if not _signal_children():
+        if not _signal_children() and not _starting_children.is_set():
             return
 
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from tpustream import storage
 from tpustream.data.tar_stream import count_shard_samples, open_tar_stream
 from tpustream.errors import ConfigError, StorageError, TpustreamError
+from tpustream.preemption import StoppedBeforeStart, raise_if_stop_requested
 from tpustream.settings import positive_seconds
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,9 @@ def count_shards(
                 total_bytes += stored
                 bar.update(1)
                 bar.set_postfix_str(f"{total_bytes / 1e6:.0f} MB", refresh=False)
-        except TpustreamError:
+                # Counting a large bucket takes minutes: a stop request ends it (and the run) here.
+                raise_if_stop_requested(f"while counting samples ({len(entries)} of {len(urls)} shards)")
+        except (TpustreamError, StoppedBeforeStart):
             pool.shutdown(cancel_futures=True)
             raise
         finally:
@@ -322,6 +325,7 @@ def _wait_for_host_zero(
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         sleep(5.0)
+        raise_if_stop_requested("while waiting for pod host 0's index")
         index_url, entries = read_index(folder, output_dir)
         if shards_to_count(entries, urls) == ([], []):
             return {u: entries[u].samples for u in urls}, f"index {index_url} (written by host 0)"

@@ -30,7 +30,13 @@ from tpustream.launch.checks import (
     resolve_config,
     split_options,
 )
-from tpustream.launch.resume_checks import check_resume_config, check_resume_fits
+from tpustream.launch.resume_checks import (
+    check_fresh_start,
+    check_not_finished,
+    check_resume_config,
+    check_resume_fits,
+)
+from tpustream.preemption import raise_if_stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,8 @@ class RunPlan:
     val: ShardManifest
     resume_url: str | None
     started_at: float | None = None  # when train.py started (time.time()), for set-up time
+    # Why the run folder's run has nothing left to train (no replica starts), or None.
+    finished: str | None = None
 
 
 def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
@@ -55,8 +63,13 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     check_accelerator_present(typed)
     check_run_folders(typed)
     options = split_options(typed)
+    # A stop requested while the splits are read (counting a large unindexed
+    # bucket takes minutes) ends the run before anything starts.
+    raise_if_stop_requested("while the training split was read")
     train = load_split(typed.data.train_shards, "train", options)
+    raise_if_stop_requested("while the training split was read")
     val = load_split(typed.data.val_shards, "validation", options)
+    raise_if_stop_requested("while the validation split was read")
     check_data(typed, train, val, known_world_size(typed), known_devices_per_replica(typed))
     for manifest in (train, val):
         log.info(
@@ -67,13 +80,16 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             *manifest.image_size,
             manifest.counts_from,
         )
-    resume_url = None
+    resume_url = finished = None
     resume = find_resume(typed.resume, typed.output_dir)
+    if resume is None and not typed.eval_only:
+        check_fresh_start(typed)
     if resume is not None:
-        resume_url, state = resume
-        check_resume_fits(typed, train, state, resume_url)
-        check_resume_config(typed, plain, state.get("config"), resume_url)
-        del state, resume  # the checkpoint's tensors: each replica reads its own copy
+        resume_url = resume.url
+        check_resume_fits(typed, train, resume.state, resume_url)
+        check_resume_config(typed, plain, resume)
+        finished = check_not_finished(typed, resume)
+        del resume  # the checkpoint's tensors: each replica reads its own copy
     if typed.eval_only and resume_url is None:
         raise ConfigError(
             f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
@@ -84,7 +100,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             "so nothing is saved",
             typed.xla_cache_dir,
         )
-    return RunPlan(typed, plain, train, val, resume_url, started_at)
+    return RunPlan(typed, plain, train, val, resume_url, started_at, finished)
 
 
 def read_final_metrics(output_dir: str) -> dict[str, Any] | None:

@@ -116,6 +116,12 @@ class LaunchSpec:
             raise ConfigError("--workdir must not be empty")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.restart and "resume=overwrite" in self.command:
+            # Each relaunch would delete the progress its preempted run had saved.
+            raise ConfigError(
+                "--restart with resume=overwrite would start the run over at every restart; "
+                "delete the old run once (or use another output_dir) and launch with resume=auto"
+            )
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if min(self.grace, self.poll_interval, self.ready_timeout) < 0:

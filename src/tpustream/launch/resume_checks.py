@@ -1,19 +1,89 @@
-"""Checks of the checkpoint a run resumes from, before anything starts: its model, its config."""
+"""Checks of the run folder and the checkpoint a run resumes from, before anything starts.
+
+Its model and config must fit; a finished run is not trained again; an
+earlier run in the folder is never overwritten without resume=overwrite.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from tpustream.checkpoint import RESUME_MAY_DIFFER, config_differences
+from tpustream import checkpoint
+from tpustream.checkpoint import (
+    FORCE_RESUME,
+    OVERWRITE_RESUME,
+    RESUME_MAY_DIFFER,
+    ResumePoint,
+    config_differences,
+    read_metrics,
+)
 from tpustream.config import TrainConfig
 from tpustream.data.manifest import ShardManifest
 from tpustream.errors import ConfigError
+from tpustream.training.state import TrainState
 
 log = logging.getLogger(__name__)
 
 # Differing keys named in the error when a run folder is continued under another config.
 MAX_SHOWN_DIFFERENCES = 8
+
+
+def describe_run(history: list[dict[str, Any]]) -> str:
+    """An earlier run in a few words, from its metrics.jsonl records."""
+    if not history:
+        return "no finished epoch"
+    evaluated = [r for r in history if "val_accuracy" in r]
+    text = f"{len(history)} epoch(s)"
+    if evaluated:
+        best = max(evaluated, key=lambda r: r["val_accuracy"])
+        text += f", best validation accuracy {100 * best['val_accuracy']:.2f}% at epoch {best['epoch']}"
+    return text
+
+
+def check_fresh_start(cfg: TrainConfig) -> None:
+    """A run that starts fresh never silently overwrites an earlier run in its folder.
+
+    resume=null in a folder with a run refuses, naming what would be lost;
+    resume=overwrite deletes that run's checkpoints and metrics.jsonl first,
+    so a preempted new run is never confused with the old one.
+    """
+    found = checkpoint.existing_run_files(cfg.output_dir)
+    if not found:
+        return
+    held = describe_run(read_metrics(cfg.output_dir))
+    if cfg.resume == OVERWRITE_RESUME:
+        checkpoint.delete_run_files(cfg.output_dir)
+        log.warning(
+            "resume=overwrite: deleted the earlier run in %s (%s: %s); starting fresh",
+            cfg.output_dir,
+            held,
+            ", ".join(found),
+        )
+        return
+    resume = cfg.resume or "null"
+    raise ConfigError(
+        f"output_dir {cfg.output_dir} holds a run ({held}) that resume={resume} would overwrite "
+        f"({', '.join(found)}): choose another output_dir, set resume=auto to continue it, or "
+        f"resume={OVERWRITE_RESUME} to delete it and start fresh"
+    )
+
+
+def check_not_finished(cfg: TrainConfig, resume: ResumePoint) -> str | None:
+    """Why the run has nothing left to train, for its own checkpoint (None: train on).
+
+    A checkpoint named explicitly that has nothing left would start a run
+    that trains nothing and report results it never made: an error.
+    """
+    if cfg.eval_only:
+        return None
+    done = TrainState.from_checkpoint(resume.state).finished(cfg.epochs, cfg.early_stop_patience)
+    if done is None or resume.own:
+        return done
+    raise ConfigError(
+        f"resume={cfg.resume}: nothing to train, {done}; raise epochs (or early_stop_patience) to train "
+        "on from it, or set eval_only=true to evaluate it"
+    )
 
 
 def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, Any], source: str) -> None:
@@ -53,20 +123,20 @@ def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, A
         detail = f"{len(missing)} missing and {len(unexpected)} unexpected tensor(s), first {first}"
     raise ConfigError(
         f"resume from {source}: the checkpoint holds another model than model={cfg.model.name} with "
-        f"{train.num_classes} classes ({detail}); use another output_dir, or resume=null to start fresh"
+        f"{train.num_classes} classes ({detail}); use another output_dir, or resume={OVERWRITE_RESUME} to "
+        "delete the run there and start fresh"
     )
 
 
-def check_resume_config(
-    cfg: TrainConfig, config: dict[str, Any], saved: dict[str, Any] | None, source: str
-) -> None:
-    """A run folder continued under another config: refused under resume=auto, naming the keys.
+def check_resume_config(cfg: TrainConfig, config: dict[str, Any], resume: ResumePoint) -> None:
+    """A run folder continued under another config: refused unless resume=force, naming the keys.
 
     Rerunning a folder with changed settings would otherwise continue (or, if
     it had finished, merely re-report) the earlier run as if it were this one.
-    resume=force continues anyway; a checkpoint named explicitly (resume=URL,
-    e.g. to fine-tune) and eval_only only warn.
+    A checkpoint named explicitly (resume=URL, e.g. to fine-tune) and
+    eval_only only warn.
     """
+    saved = resume.state.get("config")
     if saved is None:
         return
     differences = config_differences(saved, config, RESUME_MAY_DIFFER)
@@ -75,9 +145,10 @@ def check_resume_config(
     shown = "; ".join(differences[:MAX_SHOWN_DIFFERENCES])
     if len(differences) > MAX_SHOWN_DIFFERENCES:
         shown += f"; and {len(differences) - MAX_SHOWN_DIFFERENCES} more"
-    if cfg.resume == "auto" and not cfg.eval_only:
+    if resume.own and cfg.resume != FORCE_RESUME and not cfg.eval_only:
         raise ConfigError(
             f"output_dir {cfg.output_dir} holds a run made with another config ({shown}): choose another "
-            "output_dir, or set resume=force to continue that run with this config"
+            f"output_dir, set resume=force to continue that run with this config, or "
+            f"resume={OVERWRITE_RESUME} to delete it and start fresh"
         )
-    log.warning("%s was written with another config (%s); continuing with this one", source, shown)
+    log.warning("%s was written with another config (%s); continuing with this one", resume.url, shown)

@@ -30,7 +30,7 @@ from tpustream.errors import TpustreamError
 from tpustream.launch.plan import RunPlan, read_final_metrics
 from tpustream.launch.replica import run_replica
 from tpustream.logs import setup_replica_logging
-from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers
+from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers, starting_replicas
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ def configure_device_environment(cfg: TrainConfig) -> None:
 
 def launch(plan: RunPlan) -> dict[str, Any] | None:
     """Start this host's replicas and wait for them; returns the final metrics of the run."""
+    if plan.finished:
+        # Nothing to train: report the run's results without starting a device.
+        log.info("nothing to do: the run in %s is finished (%s)", plan.cfg.output_dir, plan.finished)
+        return read_final_metrics(plan.cfg.output_dir)
     configure_device_environment(plan.cfg)
     way = way_of_running(plan.cfg)
     log.info(
@@ -75,7 +79,8 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
         plan.cfg.output_dir,
         f"; resuming from {plan.resume_url}" if plan.resume_url else "",
     )
-    {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd}[way](plan)
+    with starting_replicas():
+        {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd}[way](plan)
     return read_final_metrics(plan.cfg.output_dir)
 
 

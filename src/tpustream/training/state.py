@@ -111,6 +111,32 @@ class TrainState:
             config_fingerprint=state.get("config_fingerprint"),
         )
 
+    def finished(self, epochs: int, early_stop_patience: int) -> str | None:
+        """Why this run has nothing left to train under these settings, or None.
+
+        Either its epochs are done, or it stopped early: the last epoch was
+        evaluated and the best accuracy is `early_stop_patience` evaluated
+        epochs old, the condition the loop stops on. Derived, not recorded, so
+        raising epochs or the patience continues the run.
+        """
+        if self.step != 0:
+            return None  # inside an epoch, or trained and not yet evaluated
+        if self.epoch >= epochs:
+            return f"it already finished {self.epoch} epoch(s) (epochs={epochs})"
+        last = self.history[-1] if self.history else None
+        stopped_early = (
+            early_stop_patience
+            and last is not None
+            and "val_accuracy" in last
+            and last["epoch"] - self.best_epoch >= early_stop_patience
+        )
+        if stopped_early:
+            return (
+                f"it stopped early after epoch {last['epoch']}: no better validation accuracy "
+                f"for {early_stop_patience} epoch(s) (early_stop_patience={early_stop_patience})"
+            )
+        return None
+
     def progress(self) -> TrainState:
         """The position and sums only: what a trainer carries on from (not the weights)."""
         return TrainState(

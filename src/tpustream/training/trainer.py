@@ -405,11 +405,14 @@ class Trainer:
             self.runtime.wait_device_ops()
             return {"eval": metrics}
         self.reporter.report_run_start(self.schedule.peak, self.schedule.warmup_steps)
-        if self.epoch >= self.cfg.epochs:
-            log.info("nothing to do: the checkpoint already finished %d epoch(s)", self.epoch)
+        done = self.train_state.finished(self.cfg.epochs, self.cfg.early_stop_patience)
+        if done:
+            # (train.py does not start replicas for a finished run: this is for other callers.)
+            log.info("nothing to do: %s", done)
         self.reporter.open(self.global_step)
         try:
-            self._run_epochs()
+            if not done:
+                self._run_epochs()
         finally:
             self.reporter.close()
         self.runtime.wait_device_ops()
