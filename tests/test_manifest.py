@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -48,6 +49,21 @@ def test_a_missing_folder_and_a_missing_index_file_name_the_url(tmp_path):
 def test_pattern_naming_shards_outside_the_manifest(three_shards):
     with pytest.raises(ConfigError, match=r"1 shard\(s\) not listed.*train-000003\.tar"):
         load_manifest(storage.join(three_shards, "train-{000002..000003}.tar"))
+
+
+def test_a_folder_manifest_warns_of_shards_it_does_not_list_and_is_where_counts_come_from(
+    three_shards, caplog
+):
+    extra = storage.join(three_shards, "extra-000000.tar")
+    storage.write_bytes(extra, storage.read_bytes(storage.join(three_shards, "train-000000.tar")))
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.splits"):
+        split = load_manifest(three_shards)
+    assert split.num_samples == 12 and extra not in [s.url for s in split.shards]
+    assert "1 shard file(s) in the folder are not in manifest.json and are NOT read: extra-000000.tar" in (
+        caplog.text
+    )
+    assert "add them to it with their sample counts, or remove it" in caplog.text
+    assert split.counts_from == storage.join(three_shards, "manifest.json")
 
 
 def test_empty_and_invalid_manifests(write_split, tmp_path):

@@ -136,11 +136,14 @@ def _expand_pattern(pattern: str) -> _Expanded:
 
 
 def _expand_folder(folder: str) -> _Expanded:
+    """A folder with our manifest is the manifest's shards; without one, every shard file in it."""
     manifest_url = storage.join(folder, MANIFEST_NAME)
     manifest = _read_manifest(manifest_url)
     if manifest is not None:
+        urls = [s.url for s in manifest.shards]
+        _warn_unlisted_shards(folder, manifest_url, urls)
         return _Expanded(
-            [s.url for s in manifest.shards], {s.url: s.samples for s in manifest.shards}, [manifest]
+            urls, {s.url: s.samples for s in manifest.shards}, [manifest], sources=[manifest_url]
         )
     try:
         names = storage.list_names(folder)
@@ -156,6 +159,28 @@ def _expand_folder(folder: str) -> _Expanded:
     return _Expanded(urls, {}, [], [folder])
 
 
+def _warn_unlisted_shards(folder: str, manifest_url: str, listed: list[str]) -> None:
+    """Warn of shard files beside a manifest that it does not list: they are not read."""
+    try:
+        names = storage.list_names(folder)
+    except StorageError as exc:  # the manifest was readable: the split is usable without the listing
+        log.debug("%s: cannot list the folder to compare it with %s (%s)", folder, manifest_url, exc)
+        return
+    known = set(listed)
+    unlisted = [n for n in names if n.endswith(SHARD_SUFFIXES) and storage.join(folder, n) not in known]
+    if unlisted:
+        shown = ", ".join(unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
+        log.warning(
+            "%s: %d shard file(s) in the folder are not in %s and are NOT read: %s. To read them, add them "
+            "to it with their sample counts, or remove it (the folder then means every shard file in it, "
+            "and data.num_classes names the classes)",
+            folder,
+            len(unlisted),
+            MANIFEST_NAME,
+            shown,
+        )
+
+
 def _expand_index_file(url: str) -> _Expanded:
     try:
         text = storage.read_bytes(url)
@@ -168,7 +193,10 @@ def _expand_index_file(url: str) -> _Expanded:
     if kind == MANIFEST_FORMAT:
         manifest = ShardManifest.from_json(text.decode("utf-8"), storage.dirname(url), url)
         return _Expanded(
-            [s.url for s in manifest.shards], {s.url: s.samples for s in manifest.shards}, [manifest]
+            [s.url for s in manifest.shards],
+            {s.url: s.samples for s in manifest.shards},
+            [manifest],
+            sources=[url],
         )
     if kind == INDEX_FORMAT:
         _, entries = parse_index(text, url)
