@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_wds_shards
+from tests.conftest import numbered_samples, write_wds_shards
 from tpustream import storage
 from tpustream.data import index as shard_index
 from tpustream.data.index import INDEX_NAME
@@ -177,3 +177,34 @@ def test_a_wids_index_names_the_shards_and_the_log_says_where_counts_came_from(w
     monkeypatch.undo()
     pattern_split = load_split(f"{wds_split}/cifar-train-{{000000..000001}}.tar", "train", DIGITS)
     assert pattern_split.num_samples == 14  # a pattern beside it: counted, no manifest there
+
+
+def test_wrong_label_and_image_keys_fail_at_load_naming_key_sample_and_fields(write_split):
+    samples = [
+        (key, fields | {"json": json.dumps({"label": int(fields["cls"])}).encode()})
+        for key, fields in numbered_samples(0, 4)
+    ]
+    folder = write_split("train", [samples])
+    assert load_split(folder, "train", SplitOptions(label_key="json:label")).num_samples == 4
+    with pytest.raises(
+        ConfigError,
+        match=rf"data.label_key=json:lable reads no label from sample 000000 of {folder}/train-000000.tar: "
+        r"missing label \(json has no lable\); its json's fields: label",
+    ):
+        load_split(folder, "train", SplitOptions(label_key="json:lable"))
+    with pytest.raises(
+        ConfigError, match=r"data.image_key=jpg reads no image .*among fields: cls, json, png"
+    ):
+        load_split(folder, "train", SplitOptions(label_key="cls", image_key="jpg"))
+    del samples[0][1]["json"]  # a first sample without the field is bad data, not a wrong key
+    assert (
+        load_split(write_split("val", [samples]), "", SplitOptions(label_key="json:label")).num_samples == 4
+    )
+
+
+def test_raw_pixels_with_random_resized_crops_fail_at_load(write_split):
+    raw = [(f"{i:06d}", {"raw": bytes(3 * 8 * 8), "cls": b"1"}) for i in range(3)]
+    folder = write_split("train", [raw], image_format="raw")
+    assert load_split(folder, "train", SplitOptions(label_key="cls")).image_format == "raw"
+    with pytest.raises(ConfigError, match="data.train_crop=random_resized crops encoded images.*raw pixels"):
+        load_split(folder, "train", SplitOptions(label_key="cls", crop=True, image_size=8))

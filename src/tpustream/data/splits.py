@@ -6,7 +6,9 @@ index, our tpustream-index.json). Counts come, per shard, from the first of:
 our manifest; the index file given; what other tools recorded beside the
 shards (open_clip, timm, img2dataset: ``counts``); our own index, counting
 what is still missing (``index``). All of it happens once per job, before any
-replica is spawned, so replicas get identical counts by construction.
+replica is spawned, so replicas get identical counts by construction. For
+training, the first samples are also read with the configured image and label
+keys, so a wrong key fails here rather than after an epoch of bad samples.
 """
 
 from __future__ import annotations
@@ -14,14 +16,21 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import braceexpand
 
 from tpustream import storage
 from tpustream.data import counts as recorded
-from tpustream.data.decode import DEFAULT_IMAGE_KEYS, SampleError, read_image_shape
+from tpustream.data.crops import CroppingDecoder
+from tpustream.data.decode import (
+    DEFAULT_IMAGE_KEYS,
+    ImageDecoder,
+    SampleError,
+    image_extension,
+    read_image_shape,
+)
 from tpustream.data.index import INDEX_FORMAT, counts_for, parse_index, stale_entries
 from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ShardInfo, ShardManifest
 from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, open_tar_stream
@@ -45,6 +54,10 @@ class SplitOptions:
     # Images are cropped to image_size (data.train_crop=random_resized): any
     # stored size will do, and image_size is the crops' size, not the stored one.
     crop: bool = False
+    # data.label_key. Set (training), the first samples are read as training
+    # reads them, so a wrong image or label key fails before spawning instead
+    # of after an epoch of bad samples; None (tools) reads no sample for it.
+    label_key: str | None = None
     allow_counting: bool = True  # data.index=auto
     output_dir: str | None = None  # where an index goes when the shards' folder is read-only
     progress: bool = True
@@ -90,6 +103,8 @@ def load_split(spec: str | Sequence[str], split: str, options: SplitOptions | No
     manifest.counts_from = "; ".join(sources)
     if manifest.num_samples == 0:
         raise ConfigError(f"{_describe(spec)}: the split has no samples ({manifest.counts_from})")
+    if options.label_key is not None:
+        _check_first_samples(manifest, options, _describe(spec))
     return manifest
 
 
@@ -333,6 +348,82 @@ def _first_image_shape(
     raise ConfigError(
         f"{name}: cannot learn the image size from the first samples ({first_reason}); set data.image_size"
     )
+
+
+# Samples read to check the fields. A first sample that fails alone is bad
+# data (training skips and counts it); all of them failing is the config.
+_CHECKED_SAMPLES = 3
+
+
+def _check_first_samples(manifest: ShardManifest, options: SplitOptions, name: str) -> None:
+    """ConfigError unless one of the first samples gives an image and a label as training reads them."""
+    shard = next(s for s in manifest.shards if s.samples > 0)
+    # Varying sizes without cropping never train (launch.checks.check_data
+    # says so); the stand-in size only lets the label be read here.
+    height, width = manifest.image_size or (1, 1)
+    decoder = ImageDecoder(
+        manifest.channels, height, width, manifest.num_classes, options.image_key, options.label_key
+    )
+    first_error = None
+    try:
+        with storage.open_read(shard.url) as raw, open_tar_stream(raw, shard.url) as stream:
+            for sample in iter_shard_samples(stream, shard.url, 0, _CHECKED_SAMPLES):
+                where = f"sample {sample['__key__']} of {shard.url}"
+                error = _sample_error(sample, where, decoder, manifest, options)
+                if error is None:
+                    return
+                first_error = first_error or error
+    except (StorageError, ShardFormatError) as exc:
+        # Training reads the shard again and handles this under data.on_error.
+        log.warning("%s: cannot read a first sample to check the image and label keys (%s)", name, exc)
+        return
+    if first_error is not None:
+        raise ConfigError(f"{name}: {first_error}")
+
+
+def _sample_error(
+    sample: Mapping, where: str, decoder: ImageDecoder, manifest: ShardManifest, options: SplitOptions
+) -> str | None:
+    """Why training could not use this sample, naming the setting at fault; None if it could.
+
+    A missing field's reason (SampleError's) lists the fields the sample has.
+    """
+    try:
+        decoder.decode_label(sample)
+    except SampleError as exc:
+        json_fields = _json_fields(sample, options.label_key)
+        return f"data.label_key={options.label_key} reads no label from {where}: {exc}{json_fields}"
+    image_key = f"data.image_key={options.image_key}" if options.image_key else "data.image_key (unset)"
+    try:
+        field_name, data = decoder.image_bytes(sample)
+        if options.crop and image_extension(field_name) == "raw":
+            return (
+                f"data.train_crop=random_resized crops encoded images (jpg, png, ...), but {field_name} in "
+                f"{where} holds raw pixels, which carry no image size to crop from: set "
+                "data.train_crop=pad_crop, or use shards of encoded images"
+            )
+        if options.crop:
+            CroppingDecoder(decoder, train=False, seed=0).for_epoch(0)(sample)
+        elif manifest.image_size is None:
+            read_image_shape(sample, options.image_key)
+        else:
+            decoder.decode_image(field_name, data)
+    except SampleError as exc:
+        return f"{image_key} reads no image from {where}: {exc}"
+    return None
+
+
+def _json_fields(sample: Mapping, label_key: str) -> str:
+    """The top-level fields of the sample's json member, for a json:<field> label key that missed."""
+    if not label_key.startswith("json:") or "json" not in sample:
+        return ""
+    try:
+        document = json.loads(sample["json"])
+    except ValueError:
+        return ""
+    if not isinstance(document, dict):
+        return ""
+    return f"; its json's fields: {', '.join(sorted(document)) or 'none'}"
 
 
 def _first_duplicate(urls: list[str]) -> str | None:

@@ -299,6 +299,7 @@ def split_options(cfg: TrainConfig) -> SplitOptions:
         image_size=data.image_size,
         channels=data.channels,
         crop=data.train_crop == TrainCrop.random_resized,
+        label_key=data.label_key,
         allow_counting=data.index == IndexMode.auto,
         output_dir=cfg.output_dir,
     )
