@@ -196,6 +196,10 @@ def test_wrong_label_and_image_keys_fail_at_load_naming_key_sample_and_fields(wr
         ConfigError, match=r"data.image_key=jpg reads no image .*among fields: cls, json, png"
     ):
         load_split(folder, "train", SplitOptions(label_key="cls", image_key="jpg"))
+    # Labels past data.num_classes: the key works, the class count is what to fix.
+    fives = [[(k, f | {"cls": b"5"}) for k, f in numbered_samples(0, 4)]]
+    with pytest.raises(ConfigError, match=r"has label 5 outside 0..1 \(the split's 2 classes\): set data"):
+        load_split(write_split("fives", fives, num_classes=2), "train", SplitOptions(label_key="cls"))
     del samples[0][1]["json"]  # a first sample without the field is bad data, not a wrong key
     assert (
         load_split(write_split("val", [samples]), "", SplitOptions(label_key="json:label")).num_samples == 4

@@ -391,6 +391,12 @@ def _sample_error(
     try:
         decoder.decode_label(sample)
     except SampleError as exc:
+        if str(exc).startswith("label ") and " outside 0.." in str(exc):
+            # The key works; the class count is what does not fit.
+            return (
+                f"{where} has {exc} (the split's {decoder.num_classes} classes): set data.num_classes, "
+                f"or check data.label_key={options.label_key}"
+            )
         json_fields = _json_fields(sample, options.label_key)
         return f"data.label_key={options.label_key} reads no label from {where}: {exc}{json_fields}"
     image_key = f"data.image_key={options.image_key}" if options.image_key else "data.image_key (unset)"
