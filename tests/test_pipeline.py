@@ -20,6 +20,7 @@ from tpustream.data.loader import CountingLoader, ShardStream, make_loader
 from tpustream.data.manifest import load_manifest
 from tpustream.data.stages import SHARD_ID_SHIFT
 from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, write_tar
+from tpustream.epoch_checks import check_epoch
 from tpustream.errors import DataError, StorageError
 
 SIZE = 8
@@ -489,6 +490,17 @@ def test_a_count_mismatch_is_an_error_under_raise(write_split):
 # The user's own webdataset stages (data.stages).
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_a_resumed_epoch_counts_the_samples_a_shard_lacks_once(write_split, train):
+    folder = truncated_split(write_split, 0, corrupt=False)  # 16 listed, the second shard cut short
+    options = dict(train=train, batch=4, shuffle_buffer=4)
+    full = [int(b["filled"]) for b in raw_batches(stream(folder, **options), 0, [0])]
+    assert sum(full) > 0
+    for skip in range(1, len(full)):
+        rest = [int(b["filled"]) for b in raw_batches(stream(folder, **options), 0, [0], skip)]
+        assert sum(full[:skip]) + sum(rest) == sum(full), skip
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_user_stages_run_on_decoded_samples_in_order(uneven_split, workers):
     plain = run_epoch(stream(uneven_split, train=False, workers=workers), workers)
@@ -513,3 +525,31 @@ def test_a_user_stage_that_changes_the_image_shape_is_an_error_naming_it(uneven_
 
     with pytest.raises(ConfigError, match=r"tests.user_stages:shrink.*must stay uint8 \(3, 8, 8\)"):
         list(make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:shrink"]), 0))
+
+
+# Padding repeats the epoch's first samples to fill the last global batch: never data, good or bad.
+
+
+@pytest.mark.parametrize("in_memory", [False, True], ids=["streamed", "in-memory"])
+@pytest.mark.parametrize("fault", ["label", "truncated"])
+def test_padding_never_counts_or_logs_a_bad_sample_again(write_split, caplog, in_memory, fault):
+    # 30 listed samples, batch 20: 40 places, the last 10 repeat samples 0..9,
+    # of which two are bad (labels 42, or missing from a shard that lists 10).
+    first, rest = numbered_samples(0, 10, SIZE), numbered_samples(10, 20, SIZE)
+    if fault == "label":
+        for _, fields in first[3:5]:
+            fields["cls"] = b"42"
+        folder = write_split("val", [first, rest], image_size=SIZE)
+        reports = ["sample 000003: label 42 outside 0..9", "sample 000004: label 42 outside 0..9"]
+    else:
+        folder = write_split("val", [first[:8], rest], image_size=SIZE, counts=[10, 20])
+        reports = ["holds 8 samples, but its recorded count is 10"]
+    loader = make_loader(stream(folder, train=False, batch=20, in_memory=in_memory), 0)
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+        batches = list(loader)
+    real = sum(int(b["real"].sum()) for b in batches)
+    assert (loader.filled, real) == (2, 28)  # bad and good real samples add up to the split's 30
+    for report in reports:
+        assert caplog.text.count(report) == 1
+    with pytest.raises(DataError, match=r"validation: 2 of 30 samples \(6\.7%\) were bad"):
+        check_epoch(0, {"val_samples": real, "val_filled": loader.filled}, 0.01, True)

@@ -31,18 +31,23 @@ def check_epoch(
 ) -> None:
     """DataError if too much of a split was bad or missing, or if the loss is not finite.
 
+    The counts are of real samples only: "*_filled" the ones bad data took
+    out, "*_samples" the ones used, so together they are the split's samples
+    read this epoch. Padding (the wrap-around that fills the last global
+    batch) is in neither, bad or good.
+
     bad_shards: per split, the first shards where bad data was met (named in the error).
     """
-    for split, real_key, filled_key in SPLITS:
-        if real_key not in metrics:
+    for split, good_key, bad_key in SPLITS:
+        if good_key not in metrics:
             continue  # not evaluated this epoch
-        filled, real = int(metrics[filled_key]), int(metrics[real_key])
-        planned = filled + real
-        if planned and filled / planned > max_bad_fraction:
+        bad = int(metrics[bad_key])
+        total = bad + int(metrics[good_key])
+        if total and bad / total > max_bad_fraction:
             shards = list((bad_shards or {}).get(split, ()))
             where = f"first in {', '.join(shards)}; " if shards else ""
             raise DataError(
-                f"{split}: {filled} of {planned} samples ({100 * filled / planned:.1f}%) were bad or missing "
+                f"{split}: {bad} of {total} samples ({100 * bad / total:.1f}%) were bad or missing "
                 f"in epoch {epoch}, over data.max_bad_fraction={max_bad_fraction:g} ({where}the replicas' "
                 "'skipping bad data' warnings name each sample; raise the limit to train anyway)"
             )

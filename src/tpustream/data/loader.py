@@ -68,7 +68,8 @@ class StreamedSamples:
 class MemorySamples:
     """Samples looked up in the split decoded once into shared memory.
 
-    Bad samples were reported when the split was loaded, not again here.
+    Bad samples were reported when the split was loaded, not again here
+    (but counted, every pass).
     """
 
     def __init__(self, manifest: ShardManifest, decoder: ImageDecoder, on_error: OnError):
@@ -76,10 +77,12 @@ class MemorySamples:
         self.memory: SplitMemory = load_split_memory(manifest, decoder, ErrorPolicy(on_error))
 
     def read(self, on_error: ErrorPolicy) -> Callable[[Iterable[SampleSpan]], Iterator]:
-        return functools.partial(read_memory_samples, memory=self.memory, shard_index=self.shard_index)
+        return functools.partial(
+            read_memory_samples, memory=self.memory, shard_index=self.shard_index, on_error=on_error
+        )
 
     def decode(self, on_error: ErrorPolicy, decoder: SampleDecoder) -> Callable[[Iterable], Iterator]:
-        return functools.partial(take_memory_samples, memory=self.memory)
+        return functools.partial(take_memory_samples, memory=self.memory, on_error=on_error)
 
 
 # ShardStream's keyword arguments that are data.* config fields of the same name.
@@ -104,7 +107,7 @@ class ShardStream(IterableDataset):
 
     Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
     float32 (B,) 1 for samples that count in loss and metrics, "filled": the
-    number of places bad data left empty}.
+    real samples bad data took out, never padding}.
 
     in_memory=True reads and decodes the whole split once, at construction,
     into shared memory, and serves the same batches from there.
@@ -276,16 +279,21 @@ class ShardStream(IterableDataset):
                 if self.train
                 else None
             ),
-            functools.partial(skip_samples, count=skip * self.batch_size),
+            functools.partial(skip_samples, count=skip * self.batch_size, on_error=on_error),
             self.samples.decode(
                 on_error, self.crops.for_epoch(self.epoch) if self.crops is not None else self.decoder
             ),
-            functools.partial(apply_user_stages, paths=self.stages, shape=shape) if self.stages else None,
+            (
+                functools.partial(apply_user_stages, paths=self.stages, shape=shape, on_error=on_error)
+                if self.stages
+                else None
+            ),
             functools.partial(
                 batch_samples,
                 batch_size=self.batch_size,
                 num_batches=worker_batches(self.layout.steps, worker, workers) - skip,
                 shape=shape,
+                on_error=on_error,
             ),
             functools.partial(
                 augment_batches,

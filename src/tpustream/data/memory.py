@@ -119,14 +119,15 @@ def load_split_memory(manifest: ShardManifest, decoder: ImageDecoder, on_error: 
 
 
 def read_memory_samples(
-    spans: Iterable[SampleSpan], memory: SplitMemory, shard_index: dict[str, int]
+    spans: Iterable[SampleSpan], memory: SplitMemory, shard_index: dict[str, int], on_error: ErrorPolicy
 ) -> Iterator[SampleRef]:
     """References to the samples of each span, as read_span_samples would yield them.
 
     A span stops where its shard's reader stopped when the split was loaded
-    (a truncated shard ends the span early, as streaming does). Samples that
-    failed to decode stay in, with row -1, because the shuffle draws and the
-    resume skip count them when streaming; take_memory_samples leaves them out.
+    (a truncated shard ends the span early, as streaming does, and its missing
+    real samples are counted at the same point). Samples that failed to decode
+    stay in, with row -1, because the shuffle draws and the resume skip count
+    them when streaming; take_memory_samples leaves them out.
     """
     rows = memory.rows.numpy()
     for span in spans:
@@ -137,16 +138,23 @@ def read_memory_samples(
         real = not span.padding
         for index, row in enumerate(rows[first + span.start : first + stop].tolist(), span.start):
             yield SampleRef(row, real, shard_id | index)
+        if real:
+            on_error.count_lost(span.stop - max(stop, span.start))
 
 
-def take_memory_samples(refs: Iterable[SampleRef], memory: SplitMemory) -> Iterator[DecodedSample]:
+def take_memory_samples(
+    refs: Iterable[SampleRef], memory: SplitMemory, on_error: ErrorPolicy
+) -> Iterator[DecodedSample]:
     """The samples behind the references (views of shared memory), leaving out bad ones.
 
     Bad samples were reported to the error policy once, when the split was
-    loaded; batch_samples fills their places as it does for streamed ones.
+    loaded; here the real ones are counted, as decode_samples counts them, and
+    batch_samples fills their places as it does for streamed ones.
     """
     images = memory.images.numpy()
     labels = memory.labels.numpy()
     for ref in refs:
         if ref.row >= 0:
             yield DecodedSample(images[ref.row], int(labels[ref.row]), ref.real, ref.sample_id)
+        elif ref.real:
+            on_error.count_lost()

@@ -46,6 +46,7 @@ class ErrorPolicy:
         self._surplus_reported: set[str] = set()
         self._bad_shards: dict[str, None] = {}  # in order of first fault
         self._bad_shards_taken = 0
+        self._lost = 0  # real samples bad data took out of the pass since the last take_lost
 
     def __call__(self, url: str, key: str | None, reason: str) -> None:
         where = f"{url} sample {key}" if key else url
@@ -57,6 +58,15 @@ class ErrorPolicy:
         elif self.logged == MAX_LOGGED_ERRORS:
             log.warning("more bad samples in this worker; counting without logging")
         self.logged += 1
+
+    def count_lost(self, samples: int = 1) -> None:
+        """Count real samples that bad data took out of the pass (padding never counts)."""
+        self._lost += samples
+
+    def take_lost(self) -> int:
+        """The real samples lost since the last call (a batch's "filled")."""
+        lost, self._lost = self._lost, 0
+        return lost
 
     def take_bad_shards(self) -> list[str]:
         """The shards with bad data first seen since the last call (for the error that names them)."""
@@ -96,9 +106,12 @@ def read_span_samples(
 
     A shard that cannot be opened is an error whatever the policy (it names
     the URL). A truncated or corrupt shard, or one holding fewer samples than
-    its count, ends that span early (reported to the policy); the batching
-    stage fills the gap. A span reaching the end of its shard reads one
-    sample further, to notice a shard holding more than its count.
+    its count, ends that span early (reported to the policy, and its missing
+    samples counted); the batching stage fills the gap. A padding span's
+    fault is neither reported nor counted: the same samples are read as real
+    ones in the same epoch, where they are. A span reaching the end of its
+    shard reads one sample further, to notice a shard holding more than its
+    count.
     """
     spans = list(spans)
     upcoming = storage.open_read(spans[0].url) if spans else None
@@ -136,11 +149,14 @@ def read_span_samples(
                 fault = exc
             if pending is not None:
                 yield pending
+            if span.padding:
+                continue
             if fault is not None:
                 on_error(span.url, None, str(fault).removeprefix(f"{span.url}: "))
             elif delivered < span.stop:
                 held = f"{delivered}" if delivered > span.start else f"at most {span.start}"
                 on_error(span.url, None, f"holds {held} samples, but its recorded count is {listed}")
+            on_error.count_lost(span.stop - delivered)
         except BaseException:
             if upcoming is not None:
                 upcoming.close()
@@ -174,27 +190,36 @@ def shuffle_samples(samples: Iterable[Item], buffer_size: int, rng: np.random.Ge
     yield from buffer
 
 
-def skip_samples(samples: Iterable[Item], count: int) -> Iterator[Item]:
+def skip_samples(samples: Iterable[Item], count: int, on_error: ErrorPolicy) -> Iterator[Item]:
     """All but the first `count` items: a resumed epoch's batches already trained on.
 
-    They were read and shuffled (the shuffle depends on them) but are not decoded.
+    They were read and shuffled (the shuffle depends on them) but are not
+    decoded. The samples missing from shards read up to here were counted
+    before the checkpoint, in those batches, so on_error forgets them.
     """
     iterator = iter(samples)
     for _ in range(count):
         if next(iterator, None) is None:
-            return
+            break
+    on_error.take_lost()
     yield from iterator
 
 
 def decode_samples(
     samples: Iterable[dict], decoder: ImageDecoder, on_error: ErrorPolicy
 ) -> Iterator[DecodedSample]:
-    """Decoded samples; bad ones are reported to the policy and left out."""
+    """Decoded samples; bad ones are left out, and reported to the policy and counted unless padding.
+
+    Padding repeats samples that are read as real ones in the same epoch, where
+    a bad one is reported and counted once.
+    """
     for sample in samples:
         try:
             image, label = decoder(sample)
         except SampleError as exc:
-            on_error(sample["__url__"], sample["__key__"], str(exc))
+            if not sample["__padding__"]:
+                on_error(sample["__url__"], sample["__key__"], str(exc))
+                on_error.count_lost()
             continue
         yield DecodedSample(image, label, not sample["__padding__"], sample.get("__id__", -1))
 
@@ -218,21 +243,34 @@ def load_user_stage(path: str) -> UserStage:
 
 
 def apply_user_stages(
-    samples: Iterable[DecodedSample], paths: Sequence[str], shape: Sequence[int]
+    samples: Iterable[DecodedSample], paths: Sequence[str], shape: Sequence[int], on_error: ErrorPolicy
 ) -> Iterator[DecodedSample]:
     """Run the configured webdataset stages on decoded samples, as dicts.
 
     A stage sees {"image": uint8 (C, H, W) array, "label": int, "__real__",
-    "__id__"} and yields such dicts. It may drop samples (their places are
-    filled and counted like bad data, so steps stay equal) or change pixels
-    and labels, but not the image shape: the step is compiled for one shape.
+    "__id__"} and yields such dicts. It may drop samples (the real ones are
+    counted like bad data, and their places filled, so steps stay equal) or
+    change pixels and labels, but not the image shape: the step is compiled
+    for one shape.
     """
-    stream: Iterable[dict] = (
-        {"image": s.image, "label": s.label, "__real__": s.real, "__id__": s.sample_id} for s in samples
-    )
+    given_real = 0
+
+    def as_dicts() -> Iterator[dict]:
+        nonlocal given_real
+        for sample in samples:
+            given_real += sample.real
+            yield {
+                "image": sample.image,
+                "label": sample.label,
+                "__real__": sample.real,
+                "__id__": sample.sample_id,
+            }
+
+    stream: Iterable[dict] = as_dicts()
     for path in paths:
         stream = load_user_stage(path)(iter(stream))
     expected = tuple(shape)
+    yielded_real = 0
     for item in stream:
         image = np.asarray(item["image"])
         if image.shape != expected or image.dtype != np.uint8:
@@ -240,9 +278,11 @@ def apply_user_stages(
                 f"data.stages {list(paths)} yielded an image of {image.dtype} {image.shape}; "
                 f"it must stay uint8 {expected}"
             )
-        yield DecodedSample(
-            image, int(item["label"]), bool(item.get("__real__", True)), int(item.get("__id__", -1))
-        )
+        real = bool(item.get("__real__", True))
+        yielded_real += real
+        yield DecodedSample(image, int(item["label"]), real, int(item.get("__id__", -1)))
+    # Only reached when the stream fell short of the plan, which dropped samples make it.
+    on_error.count_lost(max(0, given_real - yielded_real))
 
 
 @dataclass
@@ -250,18 +290,27 @@ class Batch:
     images: np.ndarray  # uint8 (B, C, H, W)
     labels: np.ndarray  # int64 (B,)
     real: np.ndarray  # bool (B,): counts in loss and metrics
-    filled: int  # samples the plan expected but the data did not deliver
+    # Real samples bad data took out of the plan, counted as they were met
+    # (padding never counts); with the real ones, they add up to the real
+    # samples of the split read in the pass.
+    filled: int
     sample_ids: np.ndarray  # int64 (B,), -1 for places filled after bad data
 
 
 def batch_samples(
-    samples: Iterable[DecodedSample], batch_size: int, num_batches: int, shape: Sequence[int]
+    samples: Iterable[DecodedSample],
+    batch_size: int,
+    num_batches: int,
+    shape: Sequence[int],
+    on_error: ErrorPolicy,
 ) -> Iterator[Batch]:
     """Exactly num_batches full batches, whatever the stream delivers.
 
     If bad data leaves the stream short, the missing places repeat images
     already seen by this worker (or zeros if there are none), marked not real,
     so shapes and step counts stay fixed. Surplus samples are never read.
+    Each batch's "filled" is the real samples on_error counted lost while it
+    was assembled.
     """
     images = np.empty((batch_size, *shape), np.uint8)
     labels = np.empty(batch_size, np.int64)
@@ -279,8 +328,8 @@ def batch_samples(
             count += 1
             if count == batch_size:
                 break
-        filled = batch_size - count
-        if filled:
+        missing = batch_size - count
+        if missing:
             if reserve is None and count == 0:
                 images[:] = 0
                 labels[:] = 0
@@ -290,12 +339,12 @@ def batch_samples(
                     if reserve is not None
                     else Batch(images[:count].copy(), labels[:count].copy(), real, 0, ids)
                 )
-                take = np.arange(filled) % len(donor.labels)
+                take = np.arange(missing) % len(donor.labels)
                 images[count:] = donor.images[take]
                 labels[count:] = donor.labels[take]
             real[count:] = False
             ids[count:] = -1
-        batch = Batch(images.copy(), labels.copy(), real.copy(), filled, ids.copy())
+        batch = Batch(images.copy(), labels.copy(), real.copy(), on_error.take_lost(), ids.copy())
         reserve = batch
         yield batch
 
