@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tests.conftest import png_bytes
@@ -19,6 +20,7 @@ from tpustream.data.decode import (
     ImageDecoder,
     SampleError,
     check_image_key,
+    check_label,
     check_label_key,
     read_image_shape,
 )
@@ -284,6 +286,17 @@ def test_bad_labels_name_the_reason(label_key, sample, reason):
     with pytest.raises(SampleError, match=reason) as caught:
         decoder(label_key=label_key).decode_label(sample)
     assert "\n" not in str(caught.value)
+
+
+def test_labels_from_user_stages_are_checked_like_decoded_ones():
+    # What data.stages may yield: any integer scalar, in range.
+    assert [check_label(v, 10) for v in (3, np.int64(3), torch.tensor(3), np.array(3))] == [3] * 4
+    for value, reason in [(42, r"label 42 outside 0\.\.9"), (-1, "outside"), (3.0, "not an integer")]:
+        with pytest.raises(SampleError, match=reason):
+            check_label(value, 10)
+    for value in (True, "3", None, torch.tensor(3.0), np.array([3])):
+        with pytest.raises(SampleError, match="not an integer"):
+            check_label(value, 10)
 
 
 @pytest.mark.parametrize(

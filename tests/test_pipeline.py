@@ -553,3 +553,39 @@ def test_padding_never_counts_or_logs_a_bad_sample_again(write_split, caplog, in
         assert caplog.text.count(report) == 1
     with pytest.raises(DataError, match=r"validation: 2 of 30 samples \(6\.7%\) were bad"):
         check_epoch(0, {"val_samples": real, "val_filled": loader.filled}, 0.01, True)
+
+
+def test_labels_out_of_user_stages_are_range_checked_as_bad_samples(uneven_split, caplog):
+    loader = make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:label_42"]), 0)
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+        batches = list(loader)
+    real = sum(int(b["real"].sum()) for b in batches)
+    assert (loader.filled, real) == (103, 0)  # all 103 real samples bad, padding not counted
+    assert "val-000000.tar sample #0: label 42 outside 0..9 after data.stages" in caplog.text
+    with pytest.raises(DataError, match=r"validation: 103 of 103 samples \(100\.0%\) were bad"):
+        check_epoch(0, {"val_samples": real, "val_filled": loader.filled}, 0.01, True)
+    raising = stream(uneven_split, train=False, stages=["tests.user_stages:label_42"], on_error="raise")
+    with pytest.raises(DataError, match=r"val-000000\.tar sample #\d+: label 42 outside 0\.\.9"):
+        list(make_loader(raising, 0))
+
+
+def test_a_user_stage_cannot_add_samples_to_the_plan(uneven_split, caplog):
+    plain = run_epoch(stream(uneven_split, train=False), 0)
+    loader = make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:twice"]), 0)
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+        batches = list(loader)
+    assert len(batches) == len(plain) == 13
+    # Every sample once, as without the stage (not the first half of the split twice).
+    assert [pixel_ids(b) for b in batches] == [pixel_ids(b) for b in plain]
+    assert loader.filled == 103  # the copies of the real samples, dropped
+    assert caplog.text.count("data.stages entry 'tests.user_stages:twice' yielded more samples") == 1
+    raising = stream(uneven_split, train=False, stages=["tests.user_stages:twice"], on_error="raise")
+    with pytest.raises(DataError, match=r"'tests.user_stages:twice' yielded more samples than it was given"):
+        list(make_loader(raising, 0))
+
+
+def test_a_user_stage_must_keep_the_padding_flag(uneven_split):
+    from tpustream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tests.user_stages:fresh_dicts.*without its '__real__' key"):
+        list(make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:fresh_dicts"]), 0))

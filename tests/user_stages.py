@@ -24,3 +24,23 @@ def shrink(samples: Iterator[dict]) -> Iterator[dict]:
     for sample in samples:
         sample["image"] = sample["image"][:, :4, :4]
         yield sample
+
+
+def label_42(samples: Iterator[dict]) -> Iterator[dict]:
+    """A stage that sets a label past the 10 classes."""
+    for sample in samples:
+        sample["label"] = 42
+        yield sample
+
+
+def twice(samples: Iterator[dict]) -> Iterator[dict]:
+    """A stage that yields every sample twice (more samples than the plan has places for)."""
+    for sample in samples:
+        yield sample
+        yield dict(sample)
+
+
+def fresh_dicts(samples: Iterator[dict]) -> Iterator[dict]:
+    """A stage that builds new dicts without the '__' keys (padding would pass for data)."""
+    for sample in samples:
+        yield {"image": sample["image"], "label": sample["label"]}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import operator
 import re
 from collections.abc import Mapping
 
@@ -42,6 +43,25 @@ def first_line(exc: BaseException) -> str:
     """An exception as one line: its message's first line, or its type when the message is empty."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def check_label(label: object, num_classes: int) -> int:
+    """label as a class index; SampleError if it is not an integer or is outside 0..num_classes-1.
+
+    For the labels decoded from shards and the ones data.stages yields alike.
+    """
+    try:
+        # operator.index takes ints, numpy integers and integer scalar tensors,
+        # not floats (int() would truncate them); bool is an int subclass, but
+        # true/false is no class index.
+        if isinstance(label, bool):
+            raise TypeError
+        index = operator.index(label)
+    except TypeError:
+        raise SampleError(f"label {str(label)[:20]!r} is not an integer") from None
+    if not 0 <= index < num_classes:
+        raise SampleError(f"label {index} outside 0..{num_classes - 1}")
+    return index
 
 
 def _parse_image_key(image_key: str | None) -> tuple[str, ...]:
@@ -286,9 +306,7 @@ class ImageDecoder:
                 label = int(data)
             except ValueError:
                 raise SampleError(f"label {data[:20]!r} in {self._label_field} is not an integer") from None
-        if not 0 <= label < self.num_classes:
-            raise SampleError(f"label {label} outside 0..{self.num_classes - 1}")
-        return label
+        return check_label(label, self.num_classes)
 
     def _read_json_label(self, data: bytes) -> int:
         try:

@@ -284,7 +284,14 @@ class ShardStream(IterableDataset):
                 on_error, self.crops.for_epoch(self.epoch) if self.crops is not None else self.decoder
             ),
             (
-                functools.partial(apply_user_stages, paths=self.stages, shape=shape, on_error=on_error)
+                functools.partial(
+                    apply_user_stages,
+                    paths=self.stages,
+                    shape=shape,
+                    num_classes=self.decoder.num_classes,
+                    shard_urls=[shard.url for shard in self.manifest.shards],
+                    on_error=on_error,
+                )
                 if self.stages
                 else None
             ),
