@@ -6,7 +6,7 @@
 # Every host gets a start-up script (it runs as root at every boot) that installs
 # python3-venv and python3-pip, which the base image lacks, then writes its exit
 # status to /var/lib/tpustream/startup-done. The code arrives afterwards with
-#   python -m tpustream.launch --tpu NAME --zone ZONE --sync -- ...
+#   python -m tpustream.pod --tpu NAME --zone ZONE --sync -- ...
 # which creates the workdir (~/tpustream of the ssh user, who does not exist yet
 # at first boot) and waits for that marker on a fresh VM.
 set -euo pipefail
@@ -56,7 +56,7 @@ set -euo pipefail
 marker_dir=/var/lib/tpustream
 mkdir -p "$marker_dir"
 rm -f "$marker_dir/startup-done"
-# The marker (holding this script's exit status) tells `tpustream.launch --sync` to stop waiting.
+# The marker (holding this script's exit status) tells `python -m tpustream.pod --sync` to stop waiting.
 trap 'echo $? > "$marker_dir/startup-done"' EXIT
 # python3 -m venv needs python3-venv (ensurepip), which the base image lacks.
 if ! dpkg -s python3-venv python3-pip >/dev/null 2>&1; then
@@ -85,4 +85,4 @@ if [ -n "$dry_run" ]; then
 fi
 "${cmd[@]}"
 echo "create_tpu_pod.sh: $name is being set up (python3-venv on every host, a minute or two);" \
-  "next: python -m tpustream.launch --tpu $name --zone $zone${project:+ --project $project} --sync -- .venv/bin/python train.py accelerator=tpu ..." >&2
+  "next: python -m tpustream.pod --tpu $name --zone $zone${project:+ --project $project} --sync -- .venv/bin/python train.py accelerator=tpu ..." >&2

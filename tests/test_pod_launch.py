@@ -1,4 +1,4 @@
-"""python -m tpustream.launch against a stub gcloud that runs the "remote" commands here with bash.
+"""python -m tpustream.pod against a stub gcloud that runs the "remote" commands here with bash.
 
 The stub records its argv, answers describe from a script (states in order,
 N network endpoints), and for ``ssh --worker=I --command=CMD`` runs CMD with
@@ -10,7 +10,6 @@ only gcloud itself is simulated.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -24,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_pod_commands import OVERRIDES, alive, spec
 from tpustream.errors import PREEMPTED_EXIT_CODE
-from tpustream.launch import pod
-from tpustream.launch.__main__ import main
+from tpustream.pod import commands, sync
+from tpustream.pod.__main__ import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -131,38 +131,6 @@ while len(list(Path(os.environ.get("FAKE_PID_DIR", ".")).glob("*.pid"))) < wante
     time.sleep(0.02)
 '''
 
-LAUNCHED_TRAIN = r'''
-"""Stands for train.py on one host: starts a replica; on SIGTERM notes it and exits 75 (preempted)."""
-import os, signal, subprocess, sys, time
-from pathlib import Path
-
-
-def stop(signum, frame):
-    Path("got-sigterm").write_text(str(os.getpid()))
-    sys.exit(75)
-
-
-signal.signal(signal.SIGTERM, stop)
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-Path("ready.tmp").write_text(f"{os.getpid()} {child.pid}")
-os.rename("ready.tmp", "ready")
-time.sleep(30)
-'''
-
-# Each reaches train.py unchanged only if every shell-special character is quoted.
-OVERRIDES = [
-    "optim.name=a b",
-    "home=$HOME",
-    "cmd=$(echo no)`echo no`",
-    "say=\"double\" and 'single'",
-    "glob=*",
-    "data.train_shards=gs://b/x/train-{000000..000639}.tar",
-    "k=v=w",
-    "semi=a;b&&c|d>e",
-    "tab=a\tb",
-    "unicode=é",
-]
-
 
 class Gcloud:
     """The stub on PATH: set what it answers, read what it was asked."""
@@ -200,7 +168,7 @@ class Gcloud:
     def run_id(self) -> str:
         """The run id of the last launch, from its last worker command."""
         runs = [c for c in self.calls("ssh") if "--worker=all" not in c and "--command=true" not in c]
-        return re.search(rf"{pod.RUN_ID_VARIABLE}=([0-9a-f]+) ", runs[-1][6]).group(1)
+        return re.search(rf"{commands.RUN_ID_VARIABLE}=([0-9a-f]+) ", runs[-1][6]).group(1)
 
 
 @pytest.fixture
@@ -245,155 +213,6 @@ def reports(out: str) -> dict[str, dict]:
         if match:
             found[match.group(1)] = json.loads(match.group(2))
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
-def spec(**changes) -> pod.LaunchSpec:
-    values = {"tpu": "tpu1", "zone": "europe-west4-a", "command": (".venv/bin/python", "train.py")}
-    return pod.LaunchSpec(**{**values, **changes})
-
-
-# --- command construction -------------------------------------------------------------
-
-
-def test_remote_command_quotes_every_token_and_keeps_the_home_tilde():
-    s = spec(command=(".venv/bin/python", "train.py", *OVERRIDES), env=(("MSG", "a $b c"),))
-    remote = pod.remote_run_command(s, 0, "r1")
-    assert remote.startswith("cd ~/tpustream && setsid --wait sh -c ") and remote.endswith("; exit $?")
-    record = 'mkdir -p "$HOME/.tpustream/runs" && echo $$ > "$HOME/.tpustream/runs/r1.0.pid" && exec "$@"'
-    assert shlex.split(remote.removesuffix("; exit $?")) == [
-        "cd", "~/tpustream", "&&", "setsid", "--wait", "sh", "-c", record, "tpustream",
-        "env", "PJRT_DEVICE=TPU", "TPUSTREAM_HOST_INDEX=0", "MSG=a $b c", "TPUSTREAM_RUN_ID=r1",
-        ".venv/bin/python", "train.py", *OVERRIDES,
-    ]  # fmt: skip
-    assert pod.shell_path("~/runs/my dir") == "~/'runs/my dir'"
-    assert pod.shell_path("~") == pod.shell_path("~/") == "~"
-    assert pod.shell_path("/opt/a b") == "'/opt/a b'"
-
-
-def test_gcloud_commands_name_the_tpu_zone_project_and_worker():
-    s = spec(project="my-proj")
-    assert pod.worker_commands(s, 2, "r1") == [
-        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tpu1", f"--worker={w}",
-         f"--command={pod.remote_run_command(s, w, 'r1')}", "--zone=europe-west4-a", "--project=my-proj"]
-        for w in (0, 1)
-    ]  # fmt: skip
-    # Each host knows its index (only host 0 counts unindexed shards) and has its own pid file.
-    assert "env PJRT_DEVICE=TPU TPUSTREAM_HOST_INDEX=1 " in pod.remote_run_command(s, 1, "r1")
-    assert '/.tpustream/runs/r1.1.pid"' in pod.remote_run_command(s, 1, "r1")
-    assert pod.describe_command(spec()) == [
-        "gcloud", "compute", "tpus", "tpu-vm", "describe", "tpu1", "--format=json", "--zone=europe-west4-a",
-    ]  # fmt: skip
-    cleanup = pod.cleanup_command(s, "r1")
-    assert cleanup[5:7] == ["tpu1", "--worker=all"] and cleanup[7] == f"--command={pod.cleanup_script('r1')}"
-    # Only this launch's pid files; no command-line pattern.
-    assert '"$HOME"/.tpustream/runs/r1.*.pid' in cleanup[7] and "pgrep" not in cleanup[7]
-
-
-def test_process_tokens_name_the_program_and_its_script_or_module():
-    assert pod.process_tokens([".venv/bin/python", "train.py", "epochs=3"]) == [
-        ".venv/bin/python",
-        "train.py",
-    ]
-    assert pod.process_tokens(["python", "-u", "-m", "pkg.mod", "a"]) == ["python", "-u", "-m", "pkg.mod"]
-
-
-# --- the remote commands, run here by real shells ----------------------------------------
-
-
-def run_on_host(command: str, home: Path, **popen) -> subprocess.Popen:
-    """Like sshd: the login shell runs the command in its own session, here with HOME=home."""
-    return subprocess.Popen(
-        ["bash", "-c", command], env={**os.environ, "HOME": str(home)}, start_new_session=True, **popen
-    )
-
-
-def command_line(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def wait_for(predicate, what: str, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} after {timeout}s"
-        time.sleep(0.02)
-
-
-def test_remote_command_records_the_group_the_command_leads_and_passes_argv_and_exit_code_on(tmp_path):
-    script = (
-        "import json, os, sys; print(json.dumps([sys.argv[1:], os.getpid(), os.getpgid(0)])); sys.exit(3)"
-    )
-    s = spec(workdir=str(tmp_path), command=(sys.executable, "-c", script, *OVERRIDES))
-    host = run_on_host(pod.remote_run_command(s, 4, "r1"), tmp_path, stdout=subprocess.PIPE, text=True)
-    out, _ = host.communicate(timeout=10)
-    argv, pid, group = json.loads(out)
-    assert host.returncode == 3  # the command's own exit code, through the login shell
-    assert argv == OVERRIDES
-    # The command itself (not a shell around it) leads a new group, and the file names it.
-    assert pid == group == int((tmp_path / ".tpustream" / "runs" / "r1.4.pid").read_text())
-
-
-def test_cleanup_stops_the_launched_training_and_spares_a_lookalike(tmp_path):
-    home, run_id, earlier_id = tmp_path / "home", "aaaa1111", "bbbb2222"
-    workdir, runs = home / "tpustream", home / ".tpustream" / "runs"
-    workdir.mkdir(parents=True)
-    (workdir / "train.py").write_text(LAUNCHED_TRAIN)
-    command = (sys.executable, "train.py", "epochs=3")
-    # A colleague's run of the same command in another session, started by an earlier launch.
-    # Its pid is also in a pid file of that launch and in one of this launch's (as if the
-    # number had been reused since that training ended): neither may get it killed.
-    lookalike = run_on_host(
-        f"export {pod.RUN_ID_VARIABLE}={earlier_id}; exec -a {shlex.quote(shlex.join(command))} sleep 300",
-        home,
-    )
-    launched = run_on_host(pod.remote_run_command(spec(command=command), 0, run_id), home)
-    try:
-        wait_for(lambda: (workdir / "ready").exists(), "ready file")
-        train_pid, replica_pid = map(int, (workdir / "ready").read_text().split())
-        assert int((runs / f"{run_id}.0.pid").read_text()) == train_pid
-        (runs / f"{earlier_id}.0.pid").write_text(f"{lookalike.pid}\n")
-        (runs / f"{run_id}.1.pid").write_text(f"{lookalike.pid}\n")
-        # Both command lines match what a pgrep -f of the training would look for.
-        wait_for(lambda: "train.py" in command_line(lookalike.pid), "exec -a")
-        assert command_line(train_pid) == f"{shlex.join(command)} "
-        assert command_line(lookalike.pid).startswith(command_line(train_pid))
-
-        env = {**os.environ, "HOME": str(home)}
-        # What the launcher tells to run after a failed cleanup lists this launch's processes only.
-        leftovers = pod.leftovers_command(spec(), run_id)[7].removeprefix("--command=")
-        listed = subprocess.run(["bash", "-c", leftovers], env=env, capture_output=True, text=True).stdout
-        assert sorted(int(line.split()[0]) for line in listed.splitlines()) == sorted(
-            [train_pid, replica_pid]
-        )
-
-        cleanup = ["bash", "-c", pod.cleanup_script(run_id)]
-        done = subprocess.run(cleanup, env=env, capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.endswith(f": stopping process group(s) {train_pid}\n")
-        # SIGTERM reached train.py itself, and its exit code came back through the shell.
-        assert launched.wait(timeout=10) == PREEMPTED_EXIT_CODE
-        assert (workdir / "got-sigterm").read_text() == str(train_pid)
-        wait_for(lambda: not alive(replica_pid), "end of the replica")
-        assert alive(lookalike.pid)
-        # Again, now with only stale files: nothing to stop, nothing stopped.
-        done = subprocess.run(cleanup, env=env, capture_output=True, text=True, timeout=30)
-        assert (done.returncode, done.stdout) == (0, "") and alive(lookalike.pid)
-    finally:
-        for proc in (launched, lookalike):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if (workdir / "ready").exists():
-            for pid in map(int, (workdir / "ready").read_text().split()):
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
 
 
 # --- runs through the stub gcloud --------------------------------------------------------
@@ -454,7 +273,7 @@ def test_a_failed_worker_stops_the_others_and_kills_the_training_everywhere(
     assert code == 1
     assert "worker 1 exited with 1; worker(s) 0, 2 stopped by the launcher" in err
     cleanups = [c for c in gcloud.calls("ssh") if "--worker=all" in c]
-    assert len(cleanups) == 1 and cleanups[0][6] == f"--command={pod.cleanup_script(gcloud.run_id())}"
+    assert len(cleanups) == 1 and cleanups[0][6] == f"--command={commands.cleanup_script(gcloud.run_id())}"
     assert re.search(r"^\[cleanup\] .*: stopping process group\(s\) \d+ \d+$", out, re.M)
     hung = [int((pids / f"{w}.{kind}").read_text()) for w in ("0", "2") for kind in ("pid", "child")]
     deadline = time.monotonic() + 5
@@ -472,7 +291,7 @@ def test_a_failed_worker_stops_the_others_and_kills_the_training_everywhere(
     "Cause not found; the failure message now says whether the workers hung before the Ctrl-C",
 )
 def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, monkeypatch):
-    """`python -m tpustream.launch` in a process of its own, as a user runs it, gets the Ctrl-C.
+    """`python -m tpustream.pod` in a process of its own, as a user runs it, gets the Ctrl-C.
 
     (In pytest's own process, state earlier tests leave there, such as the
     SIGCHLD handler torch's DataLoader installs, is not the launcher's.)
@@ -485,7 +304,7 @@ def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, monkeypatch):
         [
             sys.executable,
             "-m",
-            "tpustream.launch",
+            "tpustream.pod",
             *options,
             "--poll-interval",
             "0.01",
@@ -587,12 +406,16 @@ def test_no_restart_without_the_flag_or_on_a_tpu_that_cannot_come_back(gcloud, f
 
 
 def test_dry_run_prints_the_commands_and_runs_nothing(gcloud, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pod, "new_run_id", lambda: "r1")
+    monkeypatch.setattr(commands, "new_run_id", lambda: "r1")
     argv = ["--tpu", "tpu1", "--zone", "z", "--project", "p", "--num-workers", "2", "--dry-run"]
     assert main([*argv, "--", ".venv/bin/python", "train.py", "x=a b"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     s = spec(zone="z", project="p", command=(".venv/bin/python", "train.py", "x=a b"))
-    expected = [pod.preflight_command(s), *pod.worker_commands(s, 2, "r1"), pod.cleanup_command(s, "r1")]
+    expected = [
+        commands.preflight_command(s),
+        *commands.worker_commands(s, 2, "r1"),
+        commands.cleanup_command(s, "r1"),
+    ]
     assert [shlex.split(line) for line in lines] == expected
     assert gcloud.calls() == []
 
@@ -660,10 +483,10 @@ def test_sync_ships_the_checkout_and_installs_it_on_every_worker(gcloud, tmp_pat
     )
     run = spec(workdir=str(tmp_path / "remote"), command=(sys.executable, "-c", "print('hi')"))
     runs = sorted(gcloud.calls("ssh")[-2:])  # the two workers start concurrently
-    assert runs == [argv[1:] for argv in pod.worker_commands(run, 2, gcloud.run_id())]
+    assert runs == [argv[1:] for argv in commands.worker_commands(run, 2, gcloud.run_id())]
     remote = tmp_path / "remote"
     assert pip_log.read_text() == f"{remote} install --quiet -e .[tpu]\n"
-    tracked = set(pod.source_files(REPO))
+    tracked = set(sync.source_files(REPO))
     shipped = {
         str(p.relative_to(remote)) for p in remote.rglob("*") if p.is_file() and ".venv" not in p.parts
     }
@@ -687,22 +510,34 @@ def test_sync_without_git_ships_the_sources_not_venvs_or_outputs(tmp_path):
     ):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("x")  # fmt: skip
-    files = pod.source_files(root)
+    files = sync.source_files(root)
     assert files == ["conf/config.yaml", "pyproject.toml", "src/pkg/data/a.py", "train.py"]
-    pod.build_tarball(root, files, tmp_path / "src.tar.gz")
+    sync.build_tarball(root, files, tmp_path / "src.tar.gz")
     with tarfile.open(tmp_path / "src.tar.gz") as tar:
         assert sorted(tar.getnames()) == files and {m.uname for m in tar.getmembers()} == {""}
 
 
 def test_help_works_without_importing_torch():
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "tpustream.launch", "--help"],
+        [sys.executable, "-X", "importtime", "-m", "tpustream.pod", "--help"],
         capture_output=True,
         text=True,
         cwd=REPO,
     )
     assert done.returncode == 0 and "--max-restarts" in done.stdout and "--sync" in done.stdout
     assert " torch\n" not in done.stderr and "omegaconf" not in done.stderr
+
+
+def test_the_pod_package_imports_only_the_standard_library():
+    """It runs on the user's machine, which may have gcloud and python but not torch."""
+    check = (
+        "import sys; before = set(sys.modules); import tpustream.pod.__main__; "
+        "assert 'torch' not in sys.modules and 'omegaconf' not in sys.modules; "
+        "new = {name.split('.')[0] for name in set(sys.modules) - before}; "
+        "print(sorted(new - set(sys.stdlib_module_names) - {'tpustream'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO)
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
 # --- scripts/create_tpu_pod.sh ----------------------------------------------------
@@ -723,7 +558,10 @@ def test_create_tpu_pod_script(gcloud, tmp_path, capfd):
     startup = Path(f"{gcloud.log}.startup-script").read_text()
     assert startup.startswith("#!/bin/bash\n") and "apt-get" in startup
     assert re.search(r"install -y .*python3-venv", startup)
-    assert os.path.dirname(pod.STARTUP_MARKER) in startup and os.path.basename(pod.STARTUP_MARKER) in startup
+    assert (
+        os.path.dirname(commands.STARTUP_MARKER) in startup
+        and os.path.basename(commands.STARTUP_MARKER) in startup
+    )
 
     # The start-up script itself, with fake dpkg/apt-get and the marker in tmp_path.
     fakes, markers, apt_log = tmp_path / "fakes", tmp_path / "markers", tmp_path / "apt.log"
@@ -732,7 +570,7 @@ def test_create_tpu_pod_script(gcloud, tmp_path, capfd):
         (fakes / name).write_text(f"#!/bin/bash\n{body}\n")
         (fakes / name).chmod(0o755)
     runnable = tmp_path / "startup.sh"
-    runnable.write_text(startup.replace(os.path.dirname(pod.STARTUP_MARKER), str(markers)))
+    runnable.write_text(startup.replace(os.path.dirname(commands.STARTUP_MARKER), str(markers)))
     env = {**os.environ, "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}"}
     assert subprocess.run(["bash", str(runnable)], env=env).returncode == 0
     assert "install -y -q python3-venv python3-pip" in apt_log.read_text()

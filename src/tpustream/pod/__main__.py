@@ -1,11 +1,11 @@
-"""python -m tpustream.launch: run one command on every host of a Cloud TPU VM pod.
+"""python -m tpustream.pod: run one command on every host of a Cloud TPU VM pod.
 
-    python -m tpustream.launch --tpu NAME --zone ZONE --sync -- \\
+    python -m tpustream.pod --tpu NAME --zone ZONE --sync -- \\
         .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 ...
 
 This is the only place that turns errors into exit codes: a TpustreamError is
 one line on stderr and exit code 2; otherwise the exit code is 0 if every
-worker exited 0, else the first failing worker's (see tpustream.launch.pod).
+worker exited 0, else the first failing worker's (see tpustream.pod.workers).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError, TpustreamError
-from tpustream.launch.pod import DEFAULT_WORKDIR, LaunchSpec, dry_run_lines, launch_pod, parse_env
+from tpustream.pod.commands import dry_run_lines
+from tpustream.pod.spec import DEFAULT_WORKDIR, LaunchSpec, parse_env
+from tpustream.pod.workers import launch_pod
 
 EPILOG = f"""\
 The command after -- runs in WORKDIR on every host as
@@ -36,7 +38,7 @@ groups this launch started on each host, never to other jobs that look alike.
 lost) once the TPU VM is READY again; train.py resumes from last.pt (resume=auto).
 
 example:
-  python -m tpustream.launch --tpu tpustream --zone europe-west4-a --sync --restart -- \\
+  python -m tpustream.pod --tpu tpustream --zone europe-west4-a --sync --restart -- \\
       .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 \\
       output_dir=gs://BUCKET/runs/cifar10-r50 model=resnet50
 """
@@ -46,12 +48,12 @@ class _Parser(argparse.ArgumentParser):
     """Usage mistakes become ConfigError, reported like every other error: one line, exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see python -m tpustream.launch --help)")
+        raise ConfigError(f"{message} (see python -m tpustream.pod --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m tpustream.launch",
+        prog="python -m tpustream.pod",
         usage="%(prog)s --tpu NAME --zone ZONE [options] -- COMMAND [ARG ...]",
         description="Run COMMAND on every host of a Cloud TPU VM pod through gcloud, each output line "
         "prefixed with its host ([worker I]).",
@@ -144,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return launch_pod(spec)
     except TpustreamError as exc:
-        print(f"python -m tpustream.launch: error: {exc}", file=sys.stderr)
+        print(f"python -m tpustream.pod: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("python -m tpustream.launch: interrupted", file=sys.stderr)
+        print("python -m tpustream.pod: interrupted", file=sys.stderr)
         return 130
 
 
