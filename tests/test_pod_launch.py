@@ -540,6 +540,15 @@ def test_the_pod_package_imports_only_the_standard_library():
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
+def test_console_script_runs_the_launcher_and_returns_its_exit_code():
+    script = Path(sys.executable).parent / "tpustream-pod"
+    assert script.exists(), f"no {script}: run scripts/bootstrap.sh (pyproject.toml's [project.scripts])"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--max-restarts" in done.stdout
+    done = subprocess.run([str(script), "--tpu", "t", "--zone", "z"], capture_output=True, text=True)
+    assert done.returncode == 2 and "error: no command: put it after --" in done.stderr
+
+
 # --- scripts/create_tpu_pod.sh ----------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""python -m tpustream.pod: run one command on every host of a Cloud TPU VM pod.
+"""python -m tpustream.pod (or tpustream-pod): run one command on every host of a Cloud TPU VM pod.
 
     python -m tpustream.pod --tpu NAME --zone ZONE --sync -- \\
         .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 ...
