@@ -45,7 +45,7 @@ class EpochRecord:
     replica_steps: int  # steps of each replica
     train_seconds: float
     global_rate: float  # samples per second, summed over replicas
-    train_filled: int  # places bad data left empty
+    train_filled: int  # real samples bad data took out (padding never counts)
     lr: float  # the learning rate of the epoch's last step
     val_accuracy: float | None = None
     val_correct: int | None = None
