@@ -1,0 +1,1 @@
+"""tpustream's benchmarks, each run from the repository root as python -m bench.<name>."""
