@@ -3,8 +3,8 @@
 Reproduce (from the repository root; the devices are virtual XLA CPU devices,
 no accelerator needed):
 
-    .venv/bin/python bench/spmd_memory.py                  # N = 8 and 32 -> bench/results/spmd_memory.json
-    .venv/bin/python bench/spmd_memory.py --devices 4 8    # other mesh sizes
+    .venv/bin/python -m bench.spmd_memory                  # N = 8 and 32 -> bench/results/spmd_memory.json
+    .venv/bin/python -m bench.spmd_memory --devices 4 8    # other mesh sizes
 
 Two runs here took 123 s and 253 s (2 cores shared with other work, load
 average 6-7), using up to 9.2 GB of memory. Most of the time is spmd on 32
@@ -257,9 +257,9 @@ def measure_in_this_process(strategy: str) -> None:
 
 def measured_row(strategy: str, devices: int) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
-    command = [sys.executable, __file__, "--measure", strategy]
+    command = [sys.executable, "-m", "bench.spmd_memory", "--measure", strategy]
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         raise RuntimeError(
             f"measuring {strategy} on {devices} virtual CPU devices failed (exit {done.returncode}):\n"
@@ -299,7 +299,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.spmd_memory", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--devices", type=int, nargs="+", default=[8, 32], help="mesh sizes N (default: 8 32)"
     )
@@ -338,7 +338,7 @@ def main() -> None:
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": "python " + shlex.join(["bench/spmd_memory.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "-m", "bench.spmd_memory", *sys.argv[1:]]),
         "model": {
             "name": "wrn_seed",
             "options": dict(configs["sgd"].model.options),

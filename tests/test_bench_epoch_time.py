@@ -1,9 +1,8 @@
-"""bench/epoch_time.py: projection, statistics, formatting, the run plan, and one sweep end to end."""
+"""bench.epoch_time: projection, statistics, formatting, the run plan, and one sweep end to end."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import subprocess
 import sys
@@ -11,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.epoch_time.__main__ import main
+from bench.epoch_time.collect import HORIZONS, RunResult, project_total, summarize
+from bench.epoch_time.plan import SWITCHES, RunSpec, build_plan, cache_key, check_with_hydra, default_name
+from bench.epoch_time.report import CSV_COLUMNS, format_duration, markdown_table, ratios, table_row, write_csv
 from tests.conftest import REPO
 from tpustream.training.report import EpochRecord
-
-SPEC = importlib.util.spec_from_file_location("epoch_time", REPO / "bench" / "epoch_time.py")
-epoch_time = importlib.util.module_from_spec(SPEC)
-sys.modules["epoch_time"] = epoch_time  # dataclasses look their module up by name
-SPEC.loader.exec_module(epoch_time)
 
 
 def line(epoch: int, train: float, val: float | None = 0.5, **extra) -> EpochRecord:
@@ -48,12 +46,12 @@ def line(epoch: int, train: float, val: float | None = 0.5, **extra) -> EpochRec
 
 
 def test_projection_is_setup_plus_epoch1_plus_mean_times_the_other_epochs():
-    assert epoch_time.project_total(10.0, 20.0, 3.0, 10) == 57.0
-    assert epoch_time.project_total(10.0, 20.0, 3.0, 2000) == 10 + 20 + 3 * 1999
-    assert epoch_time.project_total(10.0, 20.0, math.nan, 1) == 30.0  # no later epoch needed
-    assert math.isnan(epoch_time.project_total(10.0, 20.0, math.nan, 2))
+    assert project_total(10.0, 20.0, 3.0, 10) == 57.0
+    assert project_total(10.0, 20.0, 3.0, 2000) == 10 + 20 + 3 * 1999
+    assert project_total(10.0, 20.0, math.nan, 1) == 30.0  # no later epoch needed
+    assert math.isnan(project_total(10.0, 20.0, math.nan, 2))
     with pytest.raises(ValueError):
-        epoch_time.project_total(10.0, 20.0, 3.0, 0)
+        project_total(10.0, 20.0, 3.0, 0)
 
 
 # ------------------------------------------------------------------ statistics
@@ -65,7 +63,7 @@ def test_statistics_exclude_epoch_1_and_use_reported_keys():
         line(0, 99.0, epoch_seconds=30.0, setup_seconds=7.0, compilations=4),  # order does not matter
         line(1, 9.0, epoch_seconds=2.0, setup_seconds=7.0, compilations=5),
     ]
-    s = epoch_time.summarize(records, process_seconds=100.0, launched_at=0.0)
+    s = summarize(records, process_seconds=100.0, launched_at=0.0)
     assert (s["setup_s"], s["setup_method"]) == (7.0, "reported")
     assert (s["epoch1_s"], s["mean_s"]) == (30.0, 3.0)
     assert s["std_s"] == pytest.approx(math.sqrt(2))  # sample standard deviation of 2 and 4
@@ -78,30 +76,30 @@ def test_statistics_exclude_epoch_1_and_use_reported_keys():
 
 
 def test_epoch_time_falls_back_to_train_plus_validation_seconds():
-    s = epoch_time.summarize([line(0, 10.0, 2.0), line(1, 3.0, 1.0), line(2, 5.0, None)])
+    s = summarize([line(0, 10.0, 2.0), line(1, 3.0, 1.0), line(2, 5.0, None)])
     assert s["epoch_seconds"] == [12.0, 4.0, 5.0]  # validation off: no val_seconds
     assert s["epoch_time_method"] == "train+val"
 
 
 def test_setup_falls_back_to_wall_time_then_to_process_time():
     records = [line(0, 10.0, 2.0, wall_time=1000.0 + 5 + 12), line(1, 3.0, 1.0, wall_time=1021.0)]
-    by_wall = epoch_time.summarize(records, process_seconds=30.0, launched_at=1000.0)
+    by_wall = summarize(records, process_seconds=30.0, launched_at=1000.0)
     assert (by_wall["setup_s"], by_wall["setup_method"]) == (pytest.approx(5.0), "wall_time")
-    by_process = epoch_time.summarize([line(0, 10.0, 2.0), line(1, 3.0, 1.0)], process_seconds=30.0)
+    by_process = summarize([line(0, 10.0, 2.0), line(1, 3.0, 1.0)], process_seconds=30.0)
     assert (by_process["setup_s"], by_process["setup_method"]) == (14.0, "process")
-    unknown = epoch_time.summarize([line(0, 10.0, 2.0)])
+    unknown = summarize([line(0, 10.0, 2.0)])
     assert unknown["setup_method"] == "unknown" and math.isnan(unknown["setup_s"])
 
 
 def test_one_or_two_epochs_leave_mean_or_std_undefined():
-    one = epoch_time.summarize([line(0, 10.0, 2.0, setup_seconds=1.0)])
+    one = summarize([line(0, 10.0, 2.0, setup_seconds=1.0)])
     assert one["epoch1_s"] == 12.0
     assert math.isnan(one["mean_s"]) and math.isnan(one["std_s"]) and math.isnan(one["samples_per_s"])
     assert math.isnan(one["total_10_s"])
-    two = epoch_time.summarize([line(0, 10.0, 2.0, setup_seconds=1.0), line(1, 3.0, 1.0, setup_seconds=1.0)])
+    two = summarize([line(0, 10.0, 2.0, setup_seconds=1.0), line(1, 3.0, 1.0, setup_seconds=1.0)])
     assert two["mean_s"] == 4.0 and math.isnan(two["std_s"])  # one later epoch: no spread to estimate
     with pytest.raises(ValueError):
-        epoch_time.summarize([])
+        summarize([])
 
 
 # ------------------------------------------------------------------ formatting
@@ -125,32 +123,32 @@ def test_one_or_two_epochs_leave_mean_or_std_undefined():
     ],
 )
 def test_format_duration(seconds, text):
-    assert epoch_time.format_duration(seconds) == text
+    assert format_duration(seconds) == text
 
 
 def summary(setup=10.0, epoch1=20.0, mean=3.0, std=0.5) -> dict:
     s = {"setup_s": setup, "epoch1_s": epoch1, "mean_s": mean, "std_s": std}
-    s.update({f"total_{n}_s": epoch_time.project_total(setup, epoch1, mean, n) for n in epoch_time.HORIZONS})
+    s.update({f"total_{n}_s": project_total(setup, epoch1, mean, n) for n in HORIZONS})
     return s
 
 
 def result(batch: int, settings: tuple = (), cache: str = "off", error: str = "", **numbers):
-    spec = epoch_time.RunSpec(f"bs{batch}", batch, settings, cache, (f"batch_size={batch}",))
-    return epoch_time.RunResult(
+    spec = RunSpec(f"bs{batch}", batch, settings, cache, (f"batch_size={batch}",))
+    return RunResult(
         spec, ["python", "train.py"], Path("/r"), returncode=0, error=error, summary=summary(**numbers)
     )
 
 
 def test_table_row_in_the_seeds_layout():
-    assert epoch_time.table_row("batch 64, baseline", summary()) == (
+    assert table_row("batch 64, baseline", summary()) == (
         "| batch 64, baseline | 10.0s | 20.0s | 3.0s ± 0.5s | 57.0s | 1m 27s | 2m 57s | 5m 27s "
         "| 10m 27s | 25m 27s | 50m 27s | 1h 40m |"
     )
-    assert "| 3.0s | 57.0s |" in epoch_time.table_row("x", summary(std=math.nan))
+    assert "| 3.0s | 57.0s |" in table_row("x", summary(std=math.nan))
 
 
 def test_markdown_table_has_a_row_per_run_and_reports_failures():
-    table = epoch_time.markdown_table(
+    table = markdown_table(
         [result(64, (("validation", "on"),)), result(64, (("validation", "off"),), error="exit code 2")]
     ).splitlines()
     assert table[0] == (
@@ -167,10 +165,10 @@ def test_csv_rows_hold_every_column_with_empty_cells_for_nan(tmp_path):
     done = result(128, (("workers", "1"),), std=math.nan)
     done.summary.update(compilations=3, epoch_seconds=[20.0, 3.0], setup_method="reported")
     failed = result(128, error="exit code 1")
-    epoch_time.write_csv([done, failed], tmp_path / "runs.csv")
+    write_csv([done, failed], tmp_path / "runs.csv")
     with open(tmp_path / "runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == epoch_time.CSV_COLUMNS
+    assert list(rows[0]) == CSV_COLUMNS
     assert rows[0]["workers"] == "1" and rows[0]["validation"] == "config"  # not varied: the config decides
     assert (rows[0]["setup_s"], rows[0]["mean_s"], rows[0]["std_s"]) == ("10.000", "3.000", "")
     assert rows[0]["total_10_s"] == "57.000" and rows[0]["compilations"] == "3"
@@ -188,14 +186,14 @@ def test_ratios_compare_each_single_flip_with_its_batch_sizes_baseline():
         result(128, (("validation", "off"), ("workers", "1")), mean=9.0),  # two flips: no ratio
         result(128, base, cache="cold", mean=9.0),  # not part of the sweep
     ]
-    assert epoch_time.ratios(runs) == {"validation off": {64: 0.75}, "workers 1": {128: 1.5}}
+    assert ratios(runs) == {"validation off": {64: 0.75}, "workers 1": {128: 1.5}}
 
 
 # ------------------------------------------------------------------------ plan
 
 
 def test_default_plan_is_the_baseline_and_one_flip_per_switch():
-    plan = epoch_time.build_plan([32, 64], list(epoch_time.SWITCHES), epochs=3, extra=["model=small_cnn"])
+    plan = build_plan([32, 64], list(SWITCHES), epochs=3, extra=["model=small_cnn"])
     assert [r.name for r in plan[:5]] == [
         "bs32-baseline",
         "bs32-validation-off",
@@ -219,15 +217,15 @@ def test_default_plan_is_the_baseline_and_one_flip_per_switch():
 
 
 def test_full_plan_is_the_cross_product_and_cold_warm_share_a_fresh_cache(tmp_path):
-    full = epoch_time.build_plan([64], ["validation", "workers"], epochs=2, full=True)
+    full = build_plan([64], ["validation", "workers"], epochs=2, full=True)
     assert [r.label for r in full] == ["baseline", "workers 1", "validation off", "validation off, workers 1"]
-    cached = epoch_time.build_plan([64], ["workers"], epochs=2, cold_warm=[256], cache_root=tmp_path)
+    cached = build_plan([64], ["workers"], epochs=2, cold_warm=[256], cache_root=tmp_path)
     assert [(r.name, r.cache) for r in cached[-2:]] == [
         ("bs256-baseline-cache-cold", "cold"),
         ("bs256-baseline-cache-warm", "warm"),
     ]
     assert cached[-1].overrides[-1] == cached[-2].overrides[-1] == f"xla_cache_dir={tmp_path / 'bs256'}"
-    assert epoch_time.build_plan([8, 16], [], epochs=2)[1].label == "baseline"
+    assert build_plan([8, 16], [], epochs=2)[1].label == "baseline"
 
 
 @pytest.mark.parametrize(
@@ -242,7 +240,7 @@ def test_full_plan_is_the_cross_product_and_cold_warm_share_a_fresh_cache(tmp_pa
 )
 def test_overrides_that_the_harness_or_a_switch_sets_are_refused(override, message):
     with pytest.raises(SystemExit, match=message):
-        epoch_time.build_plan([8], ["workers"], epochs=2, extra=[override])
+        build_plan([8], ["workers"], epochs=2, extra=[override])
 
 
 # ------------------------------------------------------------------ end to end
@@ -250,7 +248,7 @@ def test_overrides_that_the_harness_or_a_switch_sets_are_refused(override, messa
 
 def run_harness(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "bench" / "epoch_time.py"), *args],
+        [sys.executable, "-m", "bench.epoch_time", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -275,7 +273,7 @@ def test_sweep_end_to_end_on_the_xla_cpu_device(digits_root, tmp_path):
 
     with open(out / "runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == epoch_time.CSV_COLUMNS
+    assert list(rows[0]) == CSV_COLUMNS
     assert [(r["batch_size"], r["augmentation"], r["status"]) for r in rows] == [
         ("128", "on", "ok"),
         ("128", "off", "ok"),
@@ -354,7 +352,7 @@ def test_a_hydra_multirun_of_train_py_is_collected_into_the_same_report(digits_r
 
 def test_collect_names_a_folder_without_runs(tmp_path):
     with pytest.raises(SystemExit, match="no train.py runs"):
-        epoch_time.main(["--collect", str(tmp_path)])
+        main(["--collect", str(tmp_path)])
 
 
 @pytest.mark.slow
@@ -376,9 +374,9 @@ def test_a_failed_run_is_reported_with_its_command_and_stderr(tmp_path):
 
 
 def test_every_run_is_composed_with_hydra_before_anything_runs():
-    cache = epoch_time.cache_key()
-    plan = epoch_time.build_plan([8], ["workers", "augmentation"], epochs=1, cache=cache)
-    assert epoch_time.default_name(epoch_time.check_with_hydra(plan)) == "small_cnn-digits-cpu"
-    typo = epoch_time.build_plan([8], ["workers"], epochs=1, extra=["optim.lrr=0.1"], cache=cache)
+    cache = cache_key()
+    plan = build_plan([8], ["workers", "augmentation"], epochs=1, cache=cache)
+    assert default_name(check_with_hydra(plan)) == "small_cnn-digits-cpu"
+    typo = build_plan([8], ["workers"], epochs=1, extra=["optim.lrr=0.1"], cache=cache)
     with pytest.raises(SystemExit, match="train.py would refuse run bs8-baseline .*optim.lrr"):
-        epoch_time.check_with_hydra(typo)
+        check_with_hydra(typo)
