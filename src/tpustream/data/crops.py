@@ -10,7 +10,7 @@ The crop is chosen from the image's header, before its pixels are decoded:
 
 - a JPEG is decoded by libjpeg-turbo's TurboJPEG API (simplejpeg, straight
   into a numpy array: 1.4x PIL's decoder and its copy out, in
-  bench/imagenet_pipeline.py),
+  bench/pipeline/imagenet.py),
   at 1/2, 1/4 or 1/8 scale in the DCT domain when the crop is shrunk by at
   least that much anyway, which skips most of the work on large photos;
 - a training crop is resampled alone, in uint8, straight to the output size

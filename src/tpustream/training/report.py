@@ -3,7 +3,7 @@
 ``EpochReporter`` writes each record to the log, to TensorBoard and (the
 history) to metrics.jsonl, and logs the training steps in between. The same
 record type reads the history back: from metrics.jsonl (``read_epoch_records``,
-bench/epoch_time.py) and from a checkpoint's "history" (scripts/demo.py).
+bench/epoch_time/) and from a checkpoint's "history" (scripts/demo.py).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, runtime: SpmdRuntime
     """Shard each state tensor as its parameter is: no device ever holds all of it.
 
     A module-level function, not only the trainer's hook, so that
-    bench/spmd_memory.py measures the placement training uses.
+    bench.spmd_memory measures the placement training uses.
     """
     for param, state in optimizer.state.items():
         for value in state.values():
