@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ from tpustream import storage
 from tpustream.data.make_shards import main as make_shards_main
 from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from tpustream.data.tar_stream import write_tar
-from tpustream.emulator import GcsEmulator
+from tpustream.runtime.gloo import free_port  # noqa: F401  (the tests' one free-port helper)
+from tpustream.testing.emulator import GcsEmulator
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,13 +142,6 @@ def numbered_samples(start: int, count: int, size: int = 8) -> list[tuple[str, d
         (f"{i:06d}", {"png": png_bytes(solid_image(i % 256, size)), "cls": str(i % 10).encode()})
         for i in range(start, start + count)
     ]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(*overrides: str) -> list[str]:

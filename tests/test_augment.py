@@ -1,12 +1,10 @@
-"""Batch-level crop/flip/normalise against the torchvision transforms they replace."""
+"""Batch-level crop/flip against the torchvision transforms they replace."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
-import torchvision.transforms.functional as TF
 
-from tpustream.data.augment import Normalizer, random_crop_flip
+from tpustream.data.augment import random_crop_flip
 
 
 def test_each_output_is_a_window_of_the_padded_image_possibly_mirrored():
@@ -43,12 +41,3 @@ def test_no_padding_no_flip_is_identity_and_input_is_untouched():
     assert np.array_equal(out, images) and out is not images
     random_crop_flip(images, padding=3, flip=True, rng=np.random.default_rng(0))
     assert np.array_equal(images, before)
-
-
-def test_normalizer_matches_to_tensor_then_normalize():
-    images = np.random.default_rng(0).integers(0, 256, (4, 3, 5, 5), dtype=np.uint8)
-    mean, std = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]
-    expected = torch.stack([TF.normalize(torch.from_numpy(im).float() / 255, mean, std) for im in images])
-    torch.testing.assert_close(
-        Normalizer(mean, std)(torch.from_numpy(images)), expected, rtol=1e-5, atol=1e-5
-    )

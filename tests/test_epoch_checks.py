@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.errors import DataError
+from tpustream.training.epoch_checks import check_epoch, first_distinct
 
 GOOD = {
     "train_loss": 0.5,

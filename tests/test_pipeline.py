@@ -20,8 +20,8 @@ from tpustream.data.loader import CountingLoader, ShardStream, make_loader
 from tpustream.data.manifest import load_manifest
 from tpustream.data.stages import SHARD_ID_SHIFT
 from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, write_tar
-from tpustream.epoch_checks import check_epoch
 from tpustream.errors import DataError, StorageError
+from tpustream.training.epoch_checks import check_epoch
 
 SIZE = 8
 

@@ -107,12 +107,12 @@ from bench.pipeline.harness import (
 )
 from bench.pipeline.report import format_table, plot
 from tpustream import storage
-from tpustream.data.augment import Normalizer
 from tpustream.data.decode import ImageDecoder
 from tpustream.data.index import INDEX_NAME, count_shards
 from tpustream.data.loader import ShardStream, make_loader
 from tpustream.data.manifest import load_manifest
 from tpustream.data.splits import load_split
+from tpustream.training.normalize import Normalizer
 
 DEFAULT_NUM_IMAGES = 20000
 QUICK_NUM_IMAGES = 3000

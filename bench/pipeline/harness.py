@@ -39,7 +39,7 @@ from tpustream import storage
 from tpustream.data.loader import ShardStream
 from tpustream.data.stages import ErrorPolicy, augment_batches, batch_samples, decode_samples
 from tpustream.data.tar_stream import iter_shard_samples
-from tpustream.emulator import GcsEmulator
+from tpustream.testing.emulator import GcsEmulator
 
 Batch = tuple | list | dict
 Epoch = Callable[[], Iterator[Batch]]  # each call starts one pass over the data

@@ -35,8 +35,8 @@ from PIL import Image
 from bench.pipeline.harness import BATCH_SIZE, SEED
 from bench.pipeline.imagenet_configs import EVAL_CROP_RATIO, MEAN, MODES, STD
 from bench.pipeline.imagenet_data import IMAGE_SIZE, BenchData
-from tpustream.data.augment import Normalizer
 from tpustream.data.crops import SampleRandom, center_plan, decode_crop, random_resized_plan
+from tpustream.training.normalize import Normalizer
 
 TRICK_IMAGES = 1024  # JPEG photos the trick comparison runs over
 

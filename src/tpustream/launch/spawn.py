@@ -20,7 +20,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -198,15 +197,11 @@ def _spawn_spmd(plan: RunPlan) -> None:
     _start_processes(spmd_replica_main, (plan,), 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_simulated_pod(plan: RunPlan) -> None:
+    from tpustream.runtime.gloo import free_port
+
     world = plan.cfg.accelerator.num_devices
-    _start_processes(simulated_replica_main, (plan, world, f"tcp://127.0.0.1:{_free_port()}"), world)
+    _start_processes(simulated_replica_main, (plan, world, f"tcp://127.0.0.1:{free_port()}"), world)
 
 
 def _start_processes(target: Callable[..., None], args: tuple, nprocs: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,17 @@ import torch
 import torch.nn as nn
 
 from tpustream.runtime.device import XlaDevice
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (a rendezvous, a local server).
+
+    The one helper for it: the simulated pod's gloo rendezvous, the GCS
+    emulator and the tests' servers take their ports here.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class HostCollectives:

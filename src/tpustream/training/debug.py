@@ -17,6 +17,7 @@ import torch.nn as nn
 from tpustream import observe, preemption
 from tpustream.config import DebugConfig
 from tpustream.runtime import Runtime
+from tpustream.training.periodic import itstime
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
@@ -43,8 +44,7 @@ class DebugChecks:
         """debug.stop_at_step and the periodic debug.check_sync_every, after step `global_step` ran."""
         if global_step == self.cfg.stop_at_step:
             preemption.request_stop()
-        every = self.cfg.check_sync_every
-        if every and global_step % every == 0:
+        if itstime(global_step, self.cfg.check_sync_every):
             self.runtime.add_step_closure(self.check_replicas_in_sync, (model, global_step))
 
     def after_train_epoch(

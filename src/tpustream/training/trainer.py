@@ -23,11 +23,13 @@ import torch.nn.functional as F
 
 from tpustream import checkpoint, preemption
 from tpustream.config import Precision, Strategy, TrainConfig
-from tpustream.data.augment import Normalizer
-from tpustream.epoch_checks import check_epoch, first_distinct
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
+from tpustream.training.epoch_checks import check_epoch, first_distinct
+from tpustream.training.evaluate import Evaluator
+from tpustream.training.normalize import Normalizer
 from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state
+from tpustream.training.periodic import itstime
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
 from tpustream.training.source import EpochSource
 from tpustream.training.state import (
@@ -36,7 +38,6 @@ from tpustream.training.state import (
     ProgressAttribute,
     TrainState,
     capture_rng,
-    device_values,
     restore_rng,
 )
 
@@ -99,6 +100,8 @@ class Trainer:
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         self.train_loader = train_loader
         self.val_loader = val_loader
+        self.debug = DebugChecks(cfg.debug, runtime)
+        self.evaluator = Evaluator(runtime, val_loader, self.normalize, self.debug)
         self.steps_per_epoch = train_loader.steps
         self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
         self.checkpoints = CheckpointWriter(cfg, runtime)
@@ -106,7 +109,6 @@ class Trainer:
         self.replica_rates: list[float] = []
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
-        self.debug = DebugChecks(cfg.debug, runtime)
         # What this process has run at least once (training, evaluation, an
         # epoch end): the first of each compiles its graphs.
         self._ran_once: set[str] = set()
@@ -258,7 +260,7 @@ class Trainer:
         self.reporter.mark_setup_done()
         first_loop = self._first_time("train")
         sums = EpochSums(self.partial, self.runtime)
-        check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
+        check_every = self.stop_check_every()
         save_every = self.cfg.checkpoint.every_n_steps
         for index, batch in enumerate(self.runtime.device_loader(self.train_loader)):
             step = start_step + index
@@ -268,14 +270,14 @@ class Trainer:
             self.global_step += 1
             self.debug.watch_compiles("train", step, first=first_loop and index == 0)
             self.debug.after_train_step(self.model, self.global_step)
-            if step % self.cfg.log_steps == 0:
+            if itstime(step, self.cfg.log_steps):
                 lr = self.schedule(self.global_step - 1)
                 closure_args = (epoch, step, self.global_step, loss, tracker, lr)
                 self.runtime.add_step_closure(self.reporter.log_step, closure_args)
             if step + 1 == self.steps_per_epoch:
                 continue  # the epoch's end saves and checks for stop requests
-            stop = (index + 1) % check_every == 0 and self._stop_agreed()
-            if stop or (save_every and self.global_step % save_every == 0):
+            stop = itstime(index + 1, check_every) and self._stop_agreed()
+            if stop or itstime(self.global_step, save_every):
                 # A snapshot: the accumulators keep running either way.
                 self.partial = sums.reduced_partial(self.train_loader.filled, f"partial-{self.global_step}")
                 self.epoch, self.step = epoch, step + 1
@@ -323,51 +325,28 @@ class Trainer:
 
     def should_evaluate(self, epoch: int) -> bool:
         """eval_every: every N epochs and after the last; never with 0."""
-        every = self.cfg.eval_every
-        return every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == self.cfg.epochs)
+        return itstime(epoch + 1, self.cfg.eval_every, total=self.cfg.epochs)
 
-    @torch.no_grad()
+    def stop_check_every(self) -> int:
+        """Steps between stop votes: each one when alone (no collective), else checkpoint.stop_check_every."""
+        return 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
+
     def evaluate(self, epoch: int, stoppable: bool = True) -> dict[str, float]:
-        """Accuracy over the whole validation split, summed exactly over replicas."""
-        self.model.eval()
-        self.val_loader.set_epoch(epoch)
-        correct, count, loss_sum = device_values(
-            self.runtime, (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
-        )
+        """Accuracy over the whole validation split (the evaluator's), stopping on an agreed request."""
         self.reporter.mark_setup_done()
-        first_loop = self._first_time("evaluation")
-        start = time.time()
-        check_every = 1 if self.runtime.world_size == 1 else max(1, self.cfg.checkpoint.stop_check_every)
-        for index, batch in enumerate(self.runtime.device_loader(self.val_loader)):
-            with self.autocast():
-                logits = self.model(self.normalize(batch["image"]))
-            real = batch["real"] > 0
-            correct += (logits.argmax(dim=1).eq(batch["label"]) & real).sum().int()
-            count += real.sum().int()
-            loss_sum += (
-                F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
-            ).sum()
-            self.debug.watch_compiles("evaluation", index, first=first_loop and index == 0)
-            if stoppable and (index + 1) % check_every == 0 and self._stop_agreed():
-                # The epoch's training is saved with it; evaluation reruns on resume.
-                self._save(checkpoint.LAST)
-                raise preemption.Preempted(f"stopped while evaluating epoch {epoch}")
-        self.val_loader.raise_if_incomplete("validation")
-        correct, count, loss_sum = self.runtime.all_reduce_sum([correct, count, loss_sum])
-        per_replica = self.runtime.all_gather_host(
-            f"eval-epoch-{epoch}", (self.val_loader.filled, self.val_loader.bad_shards)
-        )
-        filled = sum(replica_filled for replica_filled, _ in per_replica)
-        self.bad_shards["validation"] = first_distinct(url for _, urls in per_replica for url in urls)
-        correct, count = int(correct.item()), int(count.item())
-        return {
-            "val_accuracy": correct / max(count, 1),
-            "val_correct": correct,
-            "val_samples": count,
-            "val_loss": loss_sum.item() / max(count, 1),
-            "val_seconds": time.time() - start,
-            "val_filled": int(filled),
-        }
+        check_every = self.stop_check_every()
+
+        def stop(index: int) -> bool:
+            return stoppable and itstime(index + 1, check_every) and self._stop_agreed()
+
+        first = self._first_time("evaluation")
+        metrics = self.evaluator.run(self.model, epoch, self.autocast, stop, first)
+        if metrics is None:
+            # The epoch's training is saved with it; evaluation reruns on resume.
+            self._save(checkpoint.LAST)
+            raise preemption.Preempted(f"stopped while evaluating epoch {epoch}")
+        self.bad_shards["validation"] = self.evaluator.bad_shards
+        return metrics
 
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Record the epoch; the master writes best.pt on improvement and last.pt always."""

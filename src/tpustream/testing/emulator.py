@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from tpustream.errors import TpustreamError
+from tpustream.runtime.gloo import free_port
 
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
@@ -43,12 +43,6 @@ def emulator_binary() -> Path:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GcsEmulator:
     """fake-gcs-server on 127.0.0.1 with an in-memory backend; sets STORAGE_EMULATOR_HOST.
 
@@ -56,7 +50,7 @@ class GcsEmulator:
     """
 
     def __init__(self, log_dir: str | None = None, public_url: str | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # What clients are told to use (STORAGE_EMULATOR_HOST, upload
         # locations): a proxy in front of the emulator, in fault tests.
