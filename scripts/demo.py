@@ -20,7 +20,7 @@ import time
 
 from tpustream import storage
 from tpustream.checkpoint import BEST, checkpoint_url, load_checkpoint
-from tpustream.data.make_shards import main as make_shards_main
+from tpustream.data.write.command import main as make_shards_main
 from tpustream.testing.emulator import GcsEmulator
 from tpustream.training.report import EpochRecord
 

@@ -5,7 +5,7 @@ Same as the installed console script `tpustream-make-shards`.
 
 import sys
 
-from tpustream.data.make_shards import main
+from tpustream.data.write.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

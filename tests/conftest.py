@@ -23,9 +23,9 @@ from PIL import Image
 
 from tests.fault_proxy import FaultProxy
 from tpustream import storage
-from tpustream.data.make_shards import main as make_shards_main
-from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from tpustream.data.tar_stream import write_tar
+from tpustream.data.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from tpustream.data.format.tar import write_tar
+from tpustream.data.write.command import main as make_shards_main
 from tpustream.runtime.gloo import free_port  # noqa: F401  (the tests' one free-port helper)
 from tpustream.testing.emulator import GcsEmulator
 
@@ -315,3 +315,19 @@ def fake_job(monkeypatch):
         return FakeJob(run_replicas(world, replica), trainers, world)
 
     return run
+
+
+# ShardStream's own arguments; every other keyword of make_stream is a data.* field.
+STREAM_ARGUMENTS = ("batch_size", "rank", "world_size", "train", "seed")
+
+
+def make_stream(manifest, **options):
+    """ShardStream from keyword options, the data.* ones as a DataConfig (shuffle_buffer 0 unless given)."""
+    import dataclasses
+
+    from tpustream.config import DataConfig
+    from tpustream.data.read.stream import ShardStream
+
+    arguments = {name: options.pop(name) for name in STREAM_ARGUMENTS}
+    data = dataclasses.replace(DataConfig(), **{"shuffle_buffer": 0, **options})
+    return ShardStream(manifest, data, **arguments)

@@ -14,8 +14,13 @@ import webdataset as wds
 import yaml
 
 from tpustream import storage
-from tpustream.data.counts import CountSource, find_recorded_counts, read_shard_list, read_total_hint
-from tpustream.data.tar_stream import iter_shard_samples, write_tar
+from tpustream.data.format.tar import iter_shard_samples, write_tar
+from tpustream.data.resolve.recorded import (
+    CountSource,
+    find_recorded_counts,
+    read_shard_list,
+    read_total_hint,
+)
 from tpustream.errors import ConfigError
 
 
@@ -495,7 +500,7 @@ def test_one_listing_per_folder_and_reads_only_for_given_shards(tmp_path, monkey
 
 
 def test_folder_that_cannot_be_listed_is_skipped_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.counts"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.resolve.recorded"):
         sources = find_recorded_counts(["https://example.invalid/shards/x-0000.tar"])
 
     assert sources == []

@@ -13,8 +13,9 @@ from scipy import stats
 from torchvision import transforms
 from torchvision.transforms import v2
 
-from tests.conftest import write_tar
-from tpustream.data.crops import (
+from tests.conftest import make_stream, write_tar
+from tpustream.data.format.decode import ImageDecoder, SampleError
+from tpustream.data.read.crops import (
     CroppingDecoder,
     CropPlan,
     SampleRandom,
@@ -26,9 +27,8 @@ from tpustream.data.crops import (
     random_resized_crop,
     random_resized_plan,
 )
-from tpustream.data.decode import ImageDecoder, SampleError
-from tpustream.data.loader import ShardStream, make_loader
-from tpustream.data.splits import SplitOptions, load_split
+from tpustream.data.read.loader import make_loader
+from tpustream.data.resolve.split import SplitOptions, load_split
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_random_resized_resume_mid_epoch_is_bitwise(variable_jpeg_split, workers
     )
 
     def batches(epoch: int, skip: int = 0, train: bool = True) -> list[dict[str, torch.Tensor]]:
-        stream = ShardStream(
+        stream = make_stream(
             split,
             batch_size=8,
             rank=0,

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import png_bytes
-from tpustream.data.decode import (
+from tpustream.data.format.decode import (
     DEFAULT_IMAGE_KEYS,
     ImageDecoder,
     SampleError,

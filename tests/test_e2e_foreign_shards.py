@@ -20,9 +20,9 @@ from PIL import Image
 from tests.conftest import run_train
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
-from tpustream.data.index import INDEX_NAME
-from tpustream.data.sources import digits_splits
-from tpustream.data.tar_stream import write_tar
+from tpustream.data.format.tar import write_tar
+from tpustream.data.resolve.counting import INDEX_NAME
+from tpustream.data.write.sources import digits_splits
 
 pytestmark = pytest.mark.slow
 

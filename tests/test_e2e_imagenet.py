@@ -17,8 +17,8 @@ from PIL import Image
 
 from tests.conftest import run_train
 from tpustream.checkpoint import load_checkpoint, read_metrics
-from tpustream.data.make_shards import main as make_shards_main
-from tpustream.data.manifest import load_manifest
+from tpustream.data.resolve.split import load_manifest
+from tpustream.data.write.command import main as make_shards_main
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import torch
 from tests.conftest import REPO, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
-from tpustream.data.make_shards import main as make_shards_main
+from tpustream.data.write.command import main as make_shards_main
 from tpustream.errors import StorageError
 
 pytestmark = pytest.mark.slow

@@ -20,9 +20,10 @@ import pytest
 from PIL import Image
 
 from tpustream import storage
-from tpustream.data.make_shards import main as make_shards_main
-from tpustream.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ShardManifest, load_manifest
-from tpustream.data.tar_stream import iter_shard_samples
+from tpustream.data.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME, ShardManifest
+from tpustream.data.format.tar import iter_shard_samples
+from tpustream.data.resolve.split import load_manifest
+from tpustream.data.write.command import main as make_shards_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -791,7 +792,7 @@ def test_unreadable_images_are_skipped_in_worker_processes(tmp_path, capsys, cap
 
 
 def test_ctrl_c_keeps_written_shards_and_writes_no_manifest(tmp_path, monkeypatch, capsys):
-    from tpustream.data import shard_writer
+    from tpustream.data.write import writer as shard_writer
 
     calls = []
     original = shard_writer.ShardTask.run
@@ -899,7 +900,7 @@ def test_interrupted_rerun_with_other_settings_leaves_no_stale_manifest(tmp_path
     manifest_url = storage.join(out, "train", MANIFEST_NAME)
     assert storage.exists(manifest_url)
 
-    from tpustream.data import shard_writer
+    from tpustream.data.write import writer as shard_writer
 
     calls = []
     original = shard_writer.ShardTask.run

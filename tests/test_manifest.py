@@ -9,13 +9,13 @@ import pytest
 
 from tests.conftest import numbered_samples
 from tpustream import storage
-from tpustream.data.manifest import (
+from tpustream.data.format.manifest import (
     MANIFEST_FORMAT,
     ShardInfo,
     ShardManifest,
-    load_manifest,
     summarize_image_sizes,
 )
+from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import ConfigError
 
 
@@ -56,7 +56,7 @@ def test_a_folder_manifest_warns_of_shards_it_does_not_list_and_is_where_counts_
 ):
     extra = storage.join(three_shards, "extra-000000.tar")
     storage.write_bytes(extra, storage.read_bytes(storage.join(three_shards, "train-000000.tar")))
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.splits"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.resolve.split"):
         split = load_manifest(three_shards)
     assert split.num_samples == 12 and extra not in [s.url for s in split.shards]
     assert "1 shard file(s) in the folder are not in manifest.json and are NOT read: extra-000000.tar" in (

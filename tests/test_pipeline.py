@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from tests.conftest import numbered_samples, png_bytes, solid_image
-from tpustream.data.loader import CountingLoader, ShardStream, make_loader
-from tpustream.data.manifest import load_manifest
-from tpustream.data.stages import SHARD_ID_SHIFT
-from tpustream.data.tar_stream import ShardFormatError, iter_shard_samples, write_tar
+from tests.conftest import make_stream, numbered_samples, png_bytes, solid_image
+from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, write_tar
+from tpustream.data.read.loader import CountingLoader, make_loader
+from tpustream.data.read.stages import SHARD_ID_SHIFT
+from tpustream.data.read.stream import ShardStream
+from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import DataError, StorageError
 from tpustream.training.epoch_checks import check_epoch
 
@@ -39,7 +40,7 @@ def stream(folder: str, *, rank=0, world=1, workers=0, train=True, batch=8, **kw
         hflip=False,
     )
     options.update(kw)
-    return ShardStream(load_manifest(folder), **options)
+    return make_stream(load_manifest(folder), **options)
 
 
 def pixel_ids(batch: dict[str, torch.Tensor]) -> list[tuple[int, bool]]:
@@ -142,7 +143,7 @@ def test_bad_samples_are_skipped_counted_and_logged_without_changing_steps(write
     folder = bad_split(write_split)
     s = stream(folder, train=False, batch=4)
     loader = make_loader(s, 0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
         batches = list(loader)
     loader.raise_if_incomplete("train")
     assert len(batches) == s.layout.steps == 3
@@ -174,7 +175,7 @@ def test_truncated_shard_is_filled_to_the_planned_steps(write_split, caplog, cut
     full = write_tar((f"{k}.{e}", d) for k, f in numbered_samples(100, 10, SIZE) for e, d in f.items())
     folder = bad_split(write_split, extra_tar={1: full[: len(full) // 2 + cut]}, counts=[6, 10])
     s = stream(folder, train=True, batch=4, workers=0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
         batches = run_epoch(s, 0)
     assert len(batches) == s.layout.steps == 4  # 16 planned samples
     assert "train-000001.tar: truncated" in caplog.text
@@ -305,14 +306,14 @@ def test_memory_batches_equal_streamed_batches_on_digits(digits_root, split):
     )
     manifest = load_manifest(f"{digits_root}/{split}")
     for rank in range(2):
-        expected = raw_batches(ShardStream(manifest, rank=rank, **options), 0, [1])
-        in_memory = ShardStream(manifest, rank=rank, in_memory=True, **options)
+        expected = raw_batches(make_stream(manifest, rank=rank, **options), 0, [1])
+        in_memory = make_stream(manifest, rank=rank, in_memory=True, **options)
         assert in_memory.memory.images.shape == (manifest.num_samples, 3, 32, 32)
         assert_same_batches(expected, raw_batches(in_memory, 0, [1]))
 
 
 def test_memory_reads_the_shards_once_and_logs_the_load(uneven_split, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="tpustream.data.memory"):
+    with caplog.at_level(logging.INFO, logger="tpustream.data.read.memory"):
         s = stream(uneven_split, train=True, in_memory=True)
     assert re.search(
         r"val split in memory: 103 of 103 listed samples, [\d.]+ MB shared, loaded in", caplog.text
@@ -349,7 +350,7 @@ def test_memory_handles_bad_data_as_streaming_does(write_split, caplog, cut, wor
     for rank in range(world):
         expected = raw_batches(stream(folder, rank=rank, **options), workers, [0], skip)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+        with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
             in_memory = stream(folder, rank=rank, in_memory=True, **options)
             assert_same_batches(expected, raw_batches(in_memory, workers, [0], skip))
         # Reported once, when the split is loaded, not again by the workers.
@@ -453,7 +454,7 @@ def test_counts_that_lie_keep_steps_equal_and_samples_exact(
     seen: Counter = Counter()
     filled = 0
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
         for rank in range(world):
             s = stream(
                 folder, rank=rank, world=world, workers=workers, train=train, batch=batch, shuffle_buffer=4
@@ -545,7 +546,7 @@ def test_padding_never_counts_or_logs_a_bad_sample_again(write_split, caplog, in
         folder = write_split("val", [first[:8], rest], image_size=SIZE, counts=[10, 20])
         reports = ["holds 8 samples, but its recorded count is 10"]
     loader = make_loader(stream(folder, train=False, batch=20, in_memory=in_memory), 0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
         batches = list(loader)
     real = sum(int(b["real"].sum()) for b in batches)
     assert (loader.filled, real) == (2, 28)  # bad and good real samples add up to the split's 30
@@ -557,7 +558,7 @@ def test_padding_never_counts_or_logs_a_bad_sample_again(write_split, caplog, in
 
 def test_labels_out_of_user_stages_are_range_checked_as_bad_samples(uneven_split, caplog):
     loader = make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:label_42"]), 0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
         batches = list(loader)
     real = sum(int(b["real"].sum()) for b in batches)
     assert (loader.filled, real) == (103, 0)  # all 103 real samples bad, padding not counted
@@ -572,7 +573,7 @@ def test_labels_out_of_user_stages_are_range_checked_as_bad_samples(uneven_split
 def test_a_user_stage_cannot_add_samples_to_the_plan(uneven_split, caplog):
     plain = run_epoch(stream(uneven_split, train=False), 0)
     loader = make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:twice"]), 0)
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.stages"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.stages"):
         batches = list(loader)
     assert len(batches) == len(plain) == 13
     # Every sample once, as without the stage (not the first half of the split twice).

@@ -18,9 +18,9 @@ import pytest
 from tests.conftest import REPO, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
-from tpustream.data.manifest import load_manifest
-from tpustream.data.sharding import order_shards, plan_layout, split_by_replica
-from tpustream.data.stages import SHARD_ID_SHIFT
+from tpustream.data.read.plan import order_shards, plan_layout, split_by_replica
+from tpustream.data.read.stages import SHARD_ID_SHIFT
+from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpustream.data.manifest import ShardInfo
-from tpustream.data.sharding import (
+from tpustream.data.format.manifest import ShardInfo
+from tpustream.data.read.plan import (
     SampleSpan,
     describe_sharing,
     order_shards,

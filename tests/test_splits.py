@@ -12,10 +12,10 @@ import pytest
 
 from tests.conftest import numbered_samples, write_wds_shards
 from tpustream import storage
-from tpustream.data import index as shard_index
-from tpustream.data.index import INDEX_NAME
-from tpustream.data.index_command import main as index_main
-from tpustream.data.splits import SplitOptions, load_split
+from tpustream.data.resolve import counting as shard_index
+from tpustream.data.resolve.counting import INDEX_NAME
+from tpustream.data.resolve.index_command import main as index_main
+from tpustream.data.resolve.split import SplitOptions, load_split
 from tpustream.errors import ConfigError, StorageError
 
 DIGITS = SplitOptions(num_classes=10, progress=False)
@@ -52,7 +52,7 @@ def test_a_rewritten_shard_is_counted_again_saying_so(wds_split, caplog):
     write_wds_shards(
         wds_split, "cifar-train-%06d.tar", 3, maxcount=3, image_field="ppm"
     )  # shard 0: 3 samples
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.index"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.resolve.counting"):
         split = load_split(wds_split, "train", DIGITS)
     assert "1 shard(s) changed since they were indexed" in caplog.text
     assert [s.samples for s in split.shards] == [3, 7, 7, 4]
@@ -116,28 +116,6 @@ def test_missing_classes_and_empty_folders_are_one_line_errors(wds_split, tmp_pa
         load_split(str(tmp_path / "empty"), "train", DIGITS)
 
 
-def test_a_second_pod_host_waits_for_host_zero_instead_of_counting(wds_split, monkeypatch):
-    monkeypatch.setenv("TPUSTREAM_HOST_INDEX", "1")
-    count_shards = shard_index.count_shards
-    monkeypatch.setattr(shard_index, "count_shards", lambda *a, **k: pytest.fail("host 1 counted"))
-    naps = []
-
-    def host_zero_finishes(seconds: float) -> None:
-        naps.append(seconds)
-        if len(naps) == 2:  # meanwhile host 0, which may count, writes the index
-            with monkeypatch.context() as host_zero:
-                host_zero.setattr(shard_index, "count_shards", count_shards)
-                assert index_main([wds_split, "--no-progress"]) == 0
-
-    found, note = shard_index.counts_for(
-        [f"{wds_split}/cifar-train-00000{i}.tar" for i in range(4)],
-        None,
-        allow_counting=True,
-        sleep=host_zero_finishes,
-    )
-    assert list(found.values()) == [7, 7, 7, 4] and "written by host 0" in note and len(naps) == 2
-
-
 def test_gcs_shards_without_manifest(bucket, tmp_path):
     local = str(tmp_path / "local")
     write_wds_shards(local, "shard-%03d.tar", 10, maxcount=4, image_field="png")
@@ -151,7 +129,7 @@ def test_gcs_shards_without_manifest(bucket, tmp_path):
 
 def test_open_clip_len_is_a_check_on_the_counts(wds_split, caplog):
     Path(wds_split, "__len__").write_text("30\n")
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.splits"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.resolve.split"):
         assert load_split(wds_split, "train", DIGITS).num_samples == 25
     assert "open_clip's __len__ says 30 samples, but the shards hold 25" in caplog.text
 

@@ -10,7 +10,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from tests.conftest import write_wds_shards
-from tpustream.data.splitters import ReplicaSplitter, WorkerSplitter
+from tpustream.data.read.splitters import ReplicaSplitter, WorkerSplitter
 from tpustream.errors import ConfigError
 
 
@@ -36,7 +36,7 @@ def keys_of(urls: list[str], rank: int, world: int, workers: int) -> list[str]:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_replica_gets_as_many_shards_each_shard_once(eleven_shards, workers, caplog):
     world = 3
-    with caplog.at_level(logging.WARNING, logger="tpustream.data.splitters"):
+    with caplog.at_level(logging.WARNING, logger="tpustream.data.read.splitters"):
         per_replica = [keys_of(eleven_shards, rank, world, workers) for rank in range(world)]
     assert [len(keys) for keys in per_replica] == [15, 15, 15]  # 3 shards x 5 samples each
     seen = Counter(k for keys in per_replica for k in keys)

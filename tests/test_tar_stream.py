@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import tarfile_to_samples
 
-from tpustream.data.tar_stream import (
+from tpustream.data.format.tar import (
     READ_CHUNK,
     GunzipStream,
     ShardFormatError,

@@ -13,7 +13,7 @@ than a flat synthetic one (the average PNG size is printed). Labels are the
 digits. "Stock transforms" are PIL decode + convert("RGB") and
 Compose([RandomCrop(32, padding=4), RandomHorizontalFlip(), ToTensor(),
 Normalize(mean, std)]); tpustream applies the same crop/flip/normalise per
-batch (tpustream.data.augment). Batches hold 128 samples.
+batch (tpustream.data.read.augment). Batches hold 128 samples.
 
 Configurations (w = DataLoader num_workers, measured with 0 and 2):
 
@@ -42,7 +42,7 @@ Configurations (w = DataLoader num_workers, measured with 0 and 2):
                    the same images written by webdataset's own ShardWriter ({"__key__",
                    "png"|"ppm": PIL image, "cls": int}, as the reference CIFAR notebook
                    does), with no manifest: the split is resolved by
-                   tpustream.data.splits.load_split, which counts the shards and saves
+                   tpustream.data.resolve.split.load_split, which counts the shards and saves
                    tpustream-index.json. Throughput rows use the saved index.
 
 Start-up without a manifest ("first run" / "second run"): for each ShardWriter
@@ -107,11 +107,11 @@ from bench.pipeline.harness import (
 )
 from bench.pipeline.report import format_table, plot
 from tpustream import storage
-from tpustream.data.decode import ImageDecoder
-from tpustream.data.index import INDEX_NAME, count_shards
-from tpustream.data.loader import ShardStream, make_loader
-from tpustream.data.manifest import load_manifest
-from tpustream.data.splits import load_split
+from tpustream.data.format.decode import ImageDecoder
+from tpustream.data.read.loader import make_loader
+from tpustream.data.read.stream import ShardStream
+from tpustream.data.resolve.counting import INDEX_NAME, count_shards
+from tpustream.data.resolve.split import load_manifest, load_split
 from tpustream.training.normalize import Normalizer
 
 DEFAULT_NUM_IMAGES = 20000

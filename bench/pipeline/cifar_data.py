@@ -13,10 +13,10 @@ import webdataset as wds
 from PIL import Image
 
 from bench.pipeline.harness import NUM_CLASSES, SEED, check_members, samples_per_shard, upload
-from tpustream.data.manifest import ShardManifest, load_manifest
-from tpustream.data.shard_writer import encode_image, sample_order, write_split
-from tpustream.data.sources import SplitSource, digits_splits
-from tpustream.data.splits import SplitOptions, load_split
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.resolve.split import SplitOptions, load_manifest, load_split
+from tpustream.data.write.sources import SplitSource, digits_splits
+from tpustream.data.write.writer import encode_image, sample_order, write_split
 
 IMAGE_SIZE = 32
 MAX_SAMPLES_PER_SHARD = 1000

@@ -8,6 +8,7 @@ charts are in bench.pipeline.report.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import io
@@ -36,9 +37,10 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from tpustream import storage
-from tpustream.data.loader import ShardStream
-from tpustream.data.stages import ErrorPolicy, augment_batches, batch_samples, decode_samples
-from tpustream.data.tar_stream import iter_shard_samples
+from tpustream.config import DataConfig
+from tpustream.data.format.tar import iter_shard_samples
+from tpustream.data.read.stages import ErrorPolicy, augment_batches, batch_samples, decode_samples
+from tpustream.data.read.stream import ShardStream
 from tpustream.testing.emulator import GcsEmulator
 
 Batch = tuple | list | dict
@@ -261,19 +263,15 @@ def stock_webdataset(
 
 def make_stream(split, workers: int, shuffle_buffer: int, train: bool = True, **crops: Any) -> ShardStream:
     """ShardStream as the trainer builds it for one replica (last_batch="drop": every sample distinct)."""
-    return ShardStream(
-        split,
-        batch_size=BATCH_SIZE,
-        rank=0,
-        world_size=1,
+    data = dataclasses.replace(
+        DataConfig(),
         num_workers=workers,
-        train=train,
-        seed=SEED,
         shuffle_buffer=shuffle_buffer,
         last_batch="drop",
         hflip=True,
         **crops,
     )
+    return ShardStream(split, data, batch_size=BATCH_SIZE, rank=0, world_size=1, train=train, seed=SEED)
 
 
 # ---------------------------------------------------------------------- storage

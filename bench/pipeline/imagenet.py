@@ -16,7 +16,7 @@ Transforms ("stock", as the issue defines L): training PIL decode +
 convert("RGB") + Compose([RandomResizedCrop(224), RandomHorizontalFlip(),
 ToTensor()]); evaluation the same with Resize(256) + CenterCrop(224) instead
 of the first two. tpustream draws the same crops
-(tpustream.data.crops: RandomResizedCrop's parameters draw for draw, flips;
+(tpustream.data.read.crops: RandomResizedCrop's parameters draw for draw, flips;
 evaluation resizes the shorter side to 224 / 0.875 = 256 and takes the centre)
 but decodes at libjpeg-turbo's DCT-domain 1/2, 1/4 or 1/8 scale where the
 crop is shrunk at least that much anyway, and resamples in uint8 (see that
@@ -33,12 +33,12 @@ said otherwise (w = DataLoader num_workers, measured with 0 and 2):
                    Measured three times, with PIL (Image.open(BytesIO(b)).load()),
                    torchvision.io.decode_jpeg (decode_image for the PNGs) and
                    simplejpeg.decode_jpeg (TurboJPEG's API, which
-                   tpustream.data.crops decodes with; PIL for what it refuses),
+                   tpustream.data.read.crops decodes with; PIL for what it refuses),
                    all libjpeg-turbo; the fastest is the limit (printed; all in
                    results.json). One row, no mode.
     L              the stock limit: PIL decode + stock transforms + torch.stack
                    from the bytes in memory, one process, no I/O.
-    L_ours         our limit: tpustream.data.crops (CroppingDecoder(ImageDecoder(3,
+    L_ours         our limit: tpustream.data.read.crops (CroppingDecoder(ImageDecoder(3,
                    224, 224, 10, image_key="jpg"), ...).for_epoch(0) on sample dicts
                    {"jpg": bytes, "cls": b"<label>", "__id__": index}) through the
                    decode_samples and batch_samples stages (uint8 batches);
@@ -58,7 +58,7 @@ said otherwise (w = DataLoader num_workers, measured with 0 and 2):
                    eval_crop_ratio=0.875, hflip, shuffle_buffer=1000 (train),
                    last_batch="drop") through make_loader, as the trainer builds it,
                    on the local shards. The split comes from
-                   tpustream.data.splits.load_split(folder, "train",
+                   tpustream.data.resolve.split.load_split(folder, "train",
                    SplitOptions(num_classes=10, image_size=224, crop=True)), which
                    counts the shards and saves tpustream-index.json, once, before
                    any timing.

@@ -20,9 +20,9 @@ from torchvision.io import decode_image, decode_jpeg
 from bench.pipeline import harness
 from bench.pipeline.harness import NUM_CLASSES, SEED, Batch, Config, Epoch, in_batches
 from bench.pipeline.imagenet_data import IMAGE_SIZE, BenchData, image_key
-from tpustream.data.crops import CroppingDecoder
-from tpustream.data.decode import ImageDecoder
-from tpustream.data.loader import make_loader
+from tpustream.data.format.decode import ImageDecoder
+from tpustream.data.read.crops import CroppingDecoder
+from tpustream.data.read.loader import make_loader
 
 EVAL_CROP_RATIO = 0.875  # Resize(256) + CenterCrop(224)
 MEAN = (0.485, 0.456, 0.406)  # ImageNet's (conf/data/imagenet.yaml uses the same)
@@ -137,7 +137,7 @@ def ours(data: BenchData, workers: int, train: bool, where: str, use_dct: bool =
     return lambda: iter(loader)
 
 
-# The decode limit is the fastest of these, the decoder tpustream.data.crops uses among them.
+# The decode limit is the fastest of these, the decoder tpustream.data.read.crops uses among them.
 DECODE_LIMITS = {
     "PIL": limit_decode_pil,
     "torchvision": limit_decode_torchvision,

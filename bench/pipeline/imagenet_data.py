@@ -44,8 +44,8 @@ import webdataset as wds
 from PIL import Image
 
 from bench.pipeline.harness import NUM_CLASSES, check_members, samples_per_shard, upload
-from tpustream.data.manifest import ShardManifest
-from tpustream.data.splits import SplitOptions, load_split
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.resolve.split import SplitOptions, load_split
 
 IMAGE_SIZE = 224
 MAX_SAMPLES_PER_SHARD = 256

@@ -2,13 +2,13 @@
 
 DCT share: for every image, whether the crop L_ours draws for it (training,
 epoch 0; and the evaluation crop) is shrunk enough for a 1/2, 1/4 or 1/8 DCT
-scale (CropPlan.dct_factor in tpustream.data.crops); PNGs never are.
+scale (CropPlan.dct_factor in tpustream.data.read.crops); PNGs never are.
 
 What each choice buys ("tricks"): on the first 1,024 colour and grey JPEG
 photos in memory, with their training crops (epoch 0), one core, each
 variant against its alternative: TurboJPEG (simplejpeg) against PIL decoding
 to a numpy array; torch's uint8 antialiasing resample of the crop against
-PIL's bilinear resize of the same box; tpustream.data.crops.decode_crop with
+PIL's bilinear resize of the same box; tpustream.data.read.crops.decode_crop with
 DCT-domain scaling on and off, over all crops and over only those it
 applies to. The variants run interleaved, 5 rounds (quick: 3), and report
 their median: rows measured one after the other drift by as much as these
@@ -35,7 +35,7 @@ from PIL import Image
 from bench.pipeline.harness import BATCH_SIZE, SEED
 from bench.pipeline.imagenet_configs import EVAL_CROP_RATIO, MEAN, MODES, STD
 from bench.pipeline.imagenet_data import IMAGE_SIZE, BenchData
-from tpustream.data.crops import SampleRandom, center_plan, decode_crop, random_resized_plan
+from tpustream.data.read.crops import SampleRandom, center_plan, decode_crop, random_resized_plan
 from tpustream.training.normalize import Normalizer
 
 TRICK_IMAGES = 1024  # JPEG photos the trick comparison runs over

@@ -7,12 +7,16 @@ type against them when it composes the config, so a typo such as
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from tpustream.errors import ConfigError
 
 
 class LastBatch(str, Enum):
@@ -302,3 +306,20 @@ def register_configs() -> None:
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)
     cs.store(group="accelerator", name="accelerator_schema", node=AcceleratorConfig)
+
+
+# -- settings read from the environment (the few that are not config keys) --
+
+
+def positive_seconds(name: str, default: float) -> float:
+    """Environment variable `name` as a finite, positive number of seconds; ConfigError naming it if not."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ConfigError(f"{name}={value!r}: expected a positive number of seconds (default {default:g})")
+    return seconds

@@ -21,6 +21,10 @@ class DataError(TpustreamError):
     """A shard or a sample is malformed (raised only with data.on_error=raise)."""
 
 
+class ShardFormatError(DataError):
+    """A shard is truncated or is not a tar file (or a corrupt gzip stream)."""
+
+
 # train.py exits with this code after a preemption signal (SIGTERM) once
 # output_dir/checkpoints/last.pt holds the progress: a launcher should run the same command
 # again (resume=auto continues from there). 75 is EX_TEMPFAIL in sysexits.h.

@@ -23,17 +23,15 @@ from tpustream.config import (
     SPMD_STRATEGIES,
     Collectives,
     Device,
-    IndexMode,
     Strategy,
     TrainConfig,
     TrainCrop,
 )
-from tpustream.data.crops import check_eval_crop_ratio
-from tpustream.data.decode import check_image_key, check_label_key
-from tpustream.data.manifest import ShardManifest
-from tpustream.data.sharding import plan_layout
-from tpustream.data.splits import SplitOptions
-from tpustream.data.stages import load_user_stage
+from tpustream.data.format.decode import check_image_key, check_label_key
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.crops import check_eval_crop_ratio
+from tpustream.data.read.plan import plan_layout
+from tpustream.data.read.user_stages import load_user_stage
 from tpustream.errors import ConfigError, StorageError
 from tpustream.models import check_model_options
 
@@ -289,20 +287,6 @@ def check_data_keys(cfg: TrainConfig) -> None:
         )
     for path in data.stages:
         load_user_stage(path)
-
-
-def split_options(cfg: TrainConfig) -> SplitOptions:
-    data = cfg.data
-    return SplitOptions(
-        image_key=data.image_key,
-        num_classes=data.num_classes,
-        image_size=data.image_size,
-        channels=data.channels,
-        crop=data.train_crop == TrainCrop.random_resized,
-        label_key=data.label_key,
-        allow_counting=data.index == IndexMode.auto,
-        output_dir=cfg.output_dir,
-    )
 
 
 def replica_batch_size(cfg: TrainConfig, devices_per_replica: int) -> int:

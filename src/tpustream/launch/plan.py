@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 
 from tpustream.checkpoint import find_resume, read_metrics
 from tpustream.config import Device, TrainConfig
-from tpustream.data.manifest import ShardManifest
-from tpustream.data.splits import load_split
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.resolve.options import SplitOptions
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import (
     check_accelerator_present,
@@ -28,8 +28,8 @@ from tpustream.launch.checks import (
     known_devices_per_replica,
     known_world_size,
     resolve_config,
-    split_options,
 )
+from tpustream.launch.hosts import load_split_on_this_host
 from tpustream.launch.resume_checks import (
     check_fresh_start,
     check_not_finished,
@@ -62,13 +62,13 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     check_environment()
     check_accelerator_present(typed)
     check_run_folders(typed)
-    options = split_options(typed)
+    options = SplitOptions.from_config(typed.data, typed.output_dir)
     # A stop requested while the splits are read (counting a large unindexed
     # bucket takes minutes) ends the run before anything starts.
     raise_if_stop_requested("while the training split was read")
-    train = load_split(typed.data.train_shards, "train", options)
+    train = load_split_on_this_host(typed.data.train_shards, "train", options)
     raise_if_stop_requested("while the training split was read")
-    val = load_split(typed.data.val_shards, "validation", options)
+    val = load_split_on_this_host(typed.data.val_shards, "validation", options)
     raise_if_stop_requested("while the validation split was read")
     check_data(typed, train, val, known_world_size(typed), known_devices_per_replica(typed))
     for manifest in (train, val):

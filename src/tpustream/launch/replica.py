@@ -9,8 +9,8 @@ import os
 from typing import Any
 
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint
-from tpustream.data.manifest import ShardManifest
-from tpustream.data.sharding import describe_sharing
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import check_data, replica_batch_size
 from tpustream.launch.plan import RunPlan
@@ -64,7 +64,8 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     """Build the data, model and trainer of one replica and train."""
     import torch
 
-    from tpustream.data.loader import ShardStream, make_loader
+    from tpustream.data.read.loader import make_loader
+    from tpustream.data.read.stream import ShardStream
     from tpustream.observe import start_profiler
     from tpustream.training import make_trainer
 
@@ -83,7 +84,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
 
     def stream(manifest: ShardManifest, train: bool) -> ShardStream:
-        return ShardStream.from_config(
+        return ShardStream(
             manifest,
             cfg.data,
             batch_size=replica_batch_size(cfg, runtime.local_devices),

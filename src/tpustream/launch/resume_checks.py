@@ -19,7 +19,7 @@ from tpustream.checkpoint import (
     read_metrics,
 )
 from tpustream.config import TrainConfig
-from tpustream.data.manifest import ShardManifest
+from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
 from tpustream.training.state import TrainState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tpustream.errors import ConfigError
-from tpustream.models import register_model
+from tpustream.models.registry import register_model
 
 # GroupNorm normalises each sample on its own: the network then computes the
 # same function whatever the batch is cut into (micro-batches, replicas),

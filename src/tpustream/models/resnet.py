@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 import torchvision
 
-from tpustream.models import register_model
+from tpustream.models.registry import register_model
 
 # Below this input size the ImageNet stem (7x7 stride-2 conv + max-pool) would
 # shrink a 32x32 image to 8x8 before the first block and cost ~10 points of

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from tpustream.errors import ConfigError
-from tpustream.models import register_model
+from tpustream.models.registry import register_model
 
 
 class PreActBlock(nn.Module):

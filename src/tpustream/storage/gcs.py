@@ -16,8 +16,8 @@ from urllib.parse import quote
 
 import google_crc32c
 
+from tpustream.config import positive_seconds
 from tpustream.errors import StorageError
-from tpustream.settings import positive_seconds
 from tpustream.storage.scheme import ObjectStat
 
 GCS_SCHEME = "gs://"

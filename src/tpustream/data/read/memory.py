@@ -17,10 +17,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tpustream.data.decode import ImageDecoder, SampleError
-from tpustream.data.manifest import ShardManifest
-from tpustream.data.sharding import SampleSpan
-from tpustream.data.stages import SHARD_ID_SHIFT, DecodedSample, ErrorPolicy, read_span_samples
+from tpustream.data.format.decode import ImageDecoder, SampleError
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.plan import SampleSpan
+from tpustream.data.read.stages import SHARD_ID_SHIFT, DecodedSample, ErrorPolicy, read_span_samples
 from tpustream.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -12,40 +12,27 @@ desynchronise the replicas' step counts.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from tpustream import storage
-from tpustream.data.tar_stream import count_shard_samples, open_tar_stream
+from tpustream.data.format.index_file import INDEX_NAME, IndexEntry, format_index, parse_index
+from tpustream.data.format.tar import count_shard_samples, open_tar_stream
 from tpustream.errors import ConfigError, StorageError, TpustreamError
 from tpustream.preemption import StoppedBeforeStart, raise_if_stop_requested
-from tpustream.settings import positive_seconds
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "tpustream-index.json"
-INDEX_FORMAT = "tpustream.index/1"
 # Subfolder of output_dir for indexes of shard folders we cannot write to.
 OUTPUT_INDEX_FOLDER = "shard-index"
 # Shards read at once while counting: enough to hide GCS request latency,
 # few enough that the read-ahead buffers (8 MiB each) stay small.
 COUNT_THREADS = 16
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """One counted shard: its count, and the size and version it had when counted."""
-
-    samples: int
-    size: int
-    version: str
 
 
 @dataclass
@@ -71,35 +58,6 @@ def index_urls(folder: str, output_dir: str | None) -> list[str]:
         digest = hashlib.sha1(folder.encode()).hexdigest()[:16]
         urls.append(storage.join(output_dir, OUTPUT_INDEX_FOLDER, f"{digest}.json"))
     return urls
-
-
-def parse_index(text: bytes, url: str) -> tuple[str, dict[str, IndexEntry]]:
-    """(the folder the index describes, shard URL -> entry); ConfigError naming url if malformed."""
-    try:
-        doc = json.loads(text)
-        if doc.get("format") != INDEX_FORMAT:
-            raise ValueError(f"format is {doc.get('format')!r}, expected {INDEX_FORMAT!r}")
-        folder = str(doc["folder"])
-        entries = {}
-        for item in doc["shards"]:
-            entry = IndexEntry(int(item["samples"]), int(item["size"]), str(item["version"]))
-            if entry.samples < 0:
-                raise ValueError(f"negative sample count for {item['name']}")
-            entries[storage.join(folder, str(item["name"]))] = entry
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"{url}: not a valid tpustream shard index ({exc}); delete it to recount") from exc
-    return folder, entries
-
-
-def format_index(folder: str, entries: dict[str, IndexEntry]) -> bytes:
-    prefix = folder.rstrip("/") + "/"
-    shards = [
-        {"name": url.removeprefix(prefix), "samples": e.samples, "size": e.size, "version": e.version}
-        for url, e in sorted(entries.items())
-    ]
-    doc = {"format": INDEX_FORMAT, "folder": folder, "num_samples": sum(e.samples for e in entries.values())}
-    doc["shards"] = shards
-    return (json.dumps(doc, indent=1) + "\n").encode()
 
 
 def read_index(folder: str, output_dir: str | None) -> tuple[str | None, dict[str, IndexEntry]]:
@@ -246,18 +204,15 @@ def count_into_index(
     return write_index(folder, entries, output_dir), rate
 
 
-def host_index() -> int:
-    """This host's index in a multi-host pod (0 when alone), as the pod launcher sets it."""
-    value = os.environ.get("TPUSTREAM_HOST_INDEX", "0")
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"TPUSTREAM_HOST_INDEX={value!r}: expected a host number") from None
+class CountsNotReady(ConfigError):
+    """Shards without a count where this process may not count them (a pod host other than the first).
 
+    launch/ catches it and waits for the host that counts to write the index.
+    """
 
-def index_wait_seconds() -> float:
-    """How long a pod host other than the first waits for host 0's index (TPUSTREAM_INDEX_WAIT_SECONDS)."""
-    return positive_seconds("TPUSTREAM_INDEX_WAIT_SECONDS", 3600.0)
+    def __init__(self, folder: str, missing: int):
+        super().__init__(f"{folder}: {missing} shard(s) not counted yet; pod host 0 counts them")
+        self.folder = folder
 
 
 def counts_for(
@@ -265,20 +220,19 @@ def counts_for(
     output_dir: str | None,
     *,
     allow_counting: bool,
+    counting_host: bool = True,
     progress: bool = True,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> tuple[dict[str, int], str]:
     """Sample counts of `urls` from their index, counting what is missing or stale.
 
     Returns (url -> samples, a one-line description of where they came from).
-    On a multi-host pod only host 0 counts; the others wait for its index, so
-    every host plans the epoch from the same counts (replicas check that they
-    agree before the first step).
+    Only a counting host counts (one per pod, so every host plans the epoch
+    from the same counts); elsewhere missing counts raise CountsNotReady.
     """
     counts: dict[str, int] = {}
     notes = []
     for folder, members in group_by_folder(urls).items():
-        found, note = _folder_counts(folder, members, output_dir, allow_counting, progress, sleep)
+        found, note = _folder_counts(folder, members, output_dir, allow_counting, counting_host, progress)
         counts.update(found)
         notes.append(note)
     return counts, "; ".join(notes)
@@ -289,13 +243,21 @@ def _folder_counts(
     urls: list[str],
     output_dir: str | None,
     allow_counting: bool,
+    counting_host: bool,
     progress: bool,
-    sleep: Callable[[float], None],
 ) -> tuple[dict[str, int], str]:
     index_url, entries = read_index(folder, output_dir)
     missing, stale = shards_to_count(entries, urls)
     if not stale and not missing:
         return {u: entries[u].samples for u in urls}, f"index {index_url}"
+    todo = missing + stale
+    if not allow_counting:
+        raise ConfigError(
+            f"{folder}: no sample count for {len(todo)} shard(s) (first: {todo[0]}); run "
+            f"`tpustream-index {folder}` or set data.index=auto to count them at start"
+        )
+    if not counting_host:
+        raise CountsNotReady(folder, len(todo))
     if stale:
         log.warning(
             "%s: %d shard(s) changed since they were indexed (first: %s); counting them again",
@@ -303,33 +265,6 @@ def _folder_counts(
             len(stale),
             stale[0],
         )
-    todo = missing + stale
-    if not allow_counting:
-        raise ConfigError(
-            f"{folder}: no sample count for {len(todo)} shard(s) (first: {todo[0]}); run "
-            f"`tpustream-index {folder}` or set data.index=auto to count them at start"
-        )
-    if host_index() > 0:
-        return _wait_for_host_zero(folder, urls, output_dir, sleep)
     saved, rate = count_into_index(folder, entries, todo, output_dir, progress=progress)
     log.info("counted %s; index %s", rate.describe(), saved or "not saved")
     return {u: entries[u].samples for u in urls}, f"counted now ({saved or 'index not saved'})"
-
-
-def _wait_for_host_zero(
-    folder: str, urls: list[str], output_dir: str | None, sleep: Callable[[float], None]
-) -> tuple[dict[str, int], str]:
-    """A pod host other than the first: wait until host 0's index covers every shard, unchanged."""
-    wait = index_wait_seconds()
-    log.info("%s: waiting for pod host 0 to index the shards", folder)
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        sleep(5.0)
-        raise_if_stop_requested("while waiting for pod host 0's index")
-        index_url, entries = read_index(folder, output_dir)
-        if shards_to_count(entries, urls) == ([], []):
-            return {u: entries[u].samples for u in urls}, f"index {index_url} (written by host 0)"
-    raise ConfigError(
-        f"{folder}: pod host 0 wrote no index covering these shards within {wait:.0f} s; "
-        f"run `tpustream-index {folder}` once before the job"
-    )

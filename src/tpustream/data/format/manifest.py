@@ -141,14 +141,3 @@ def summarize_image_sizes(sizes: Iterable[tuple[int, int]]) -> dict | None:
         "max": [max(heights), max(widths)],
         "mean": [round(sum(heights) / count, 1), round(sum(widths) / count, 1)],
     }
-
-
-def load_manifest(spec: str) -> ShardManifest:
-    """A split from any shard specification, counting nothing: every count must be recorded somewhere.
-
-    The full resolution (including counting and indexing) is
-    ``tpustream.data.splits.load_split``; this is its read-only form for tools.
-    """
-    from tpustream.data.splits import SplitOptions, load_split  # splits builds on this module
-
-    return load_split(spec, "", SplitOptions(allow_counting=False, progress=False))

@@ -20,7 +20,7 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
-from tpustream.data.image_modes import convert_pil_image
+from tpustream.data.format.pixels import convert_pil_image
 from tpustream.errors import ConfigError, DataError
 
 ImageRef = Union[np.ndarray, str]  # noqa: UP007 (pickled to workers; keep it obvious)

@@ -23,7 +23,7 @@ import torchvision  # noqa: F401 (registers torch.ops.image)
 from PIL import Image
 from torchvision.io import ImageReadMode
 
-from tpustream.data.image_modes import convert_pil_image, scale_16_to_8
+from tpustream.data.format.pixels import convert_pil_image, scale_16_to_8
 from tpustream.errors import ConfigError
 
 # The fields tried, in this order, when no image key is configured.

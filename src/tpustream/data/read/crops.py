@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from tpustream.data.decode import ImageDecoder, SampleError, first_line, image_extension
-from tpustream.data.image_modes import convert_pil_image
+from tpustream.data.format.decode import ImageDecoder, SampleError, first_line, image_extension
+from tpustream.data.format.pixels import convert_pil_image
 from tpustream.errors import ConfigError
 
 # torchvision.transforms.RandomResizedCrop's defaults.

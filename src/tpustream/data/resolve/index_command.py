@@ -17,8 +17,14 @@ import sys
 from collections.abc import Sequence
 
 from tpustream import storage
-from tpustream.data.index import COUNT_THREADS, count_into_index, group_by_folder, read_index, shards_to_count
-from tpustream.data.splits import expand_spec
+from tpustream.data.resolve.counting import (
+    COUNT_THREADS,
+    count_into_index,
+    group_by_folder,
+    read_index,
+    shards_to_count,
+)
+from tpustream.data.resolve.spec import expand_spec
 from tpustream.errors import TpustreamError
 
 

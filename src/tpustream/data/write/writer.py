@@ -1,6 +1,6 @@
 """Write one split's WebDataset tar shards and then its manifest, resumably.
 
-The writing half of tpustream-make-shards (tpustream.data.make_shards is the
+The writing half of tpustream-make-shards (tpustream.data.write.command is the
 command): a split is cut into shard tasks whose keys are fixed before any
 image is read, so each shard is built on its own, in a worker process or not,
 and its bytes do not depend on the others. Shard bytes are deterministic,
@@ -27,8 +27,9 @@ from PIL import Image
 from tqdm import tqdm
 
 from tpustream import storage
-from tpustream.data.manifest import MANIFEST_NAME, ShardInfo, ShardManifest, summarize_image_sizes
-from tpustream.data.sources import (
+from tpustream.data.format.manifest import MANIFEST_NAME, ShardInfo, ShardManifest, summarize_image_sizes
+from tpustream.data.format.tar import write_tar
+from tpustream.data.write.sources import (
     ImageRef,
     SplitSource,
     UnreadableImageError,
@@ -36,7 +37,6 @@ from tpustream.data.sources import (
     original_images_format,
     read_image_file,
 )
-from tpustream.data.tar_stream import write_tar
 from tpustream.errors import DataError, TpustreamError
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ is atomic and identical shards already in place are skipped, so a rerun after
 an interruption (Ctrl-C included) finishes the job without rewriting what is
 done. Unreadable image files are left out and counted (--on-error skip, the
 default) or stop the run naming the file (--on-error raise). The writing itself
-is tpustream.data.shard_writer; this module is the command.
+is tpustream.data.write.writer; this module is the command.
 """
 
 from __future__ import annotations
@@ -32,8 +32,16 @@ import sys
 from collections.abc import Sequence
 
 from tpustream import storage
-from tpustream.data.manifest import MANIFEST_NAME, ShardManifest
-from tpustream.data.shard_writer import (
+from tpustream.data.format.manifest import MANIFEST_NAME, ShardManifest
+from tpustream.data.write.sources import (
+    CIFAR_SIZE,
+    DIGITS_SIZE,
+    SplitSource,
+    cifar_splits,
+    digits_splits,
+    imagefolder_splits,
+)
+from tpustream.data.write.writer import (
     DEFAULT_ENCODED_FORMAT,
     ENCODED_FORMATS,
     JPEG_QUALITY,
@@ -41,14 +49,6 @@ from tpustream.data.shard_writer import (
     ON_ERROR_CHOICES,
     SkippedImages,
     write_split,
-)
-from tpustream.data.sources import (
-    CIFAR_SIZE,
-    DIGITS_SIZE,
-    SplitSource,
-    cifar_splits,
-    digits_splits,
-    imagefolder_splits,
 )
 from tpustream.errors import ConfigError, TpustreamError
 

@@ -30,7 +30,7 @@ from itertools import accumulate
 import numpy as np
 
 from tpustream.config import LastBatch
-from tpustream.data.manifest import ShardInfo
+from tpustream.data.format.manifest import ShardInfo
 from tpustream.errors import ConfigError
 
 
