@@ -32,7 +32,7 @@ def main() -> int:
     started = time.time()
     with GcsEmulator() as server:  # sets STORAGE_EMULATOR_HOST for us and train.py
         print(f"GCS emulator at {server.url}; creating gs://{BUCKET}", flush=True)
-        storage.gcs_client().create_bucket(BUCKET)
+        storage.make_container(f"gs://{BUCKET}")
         if make_shards_main(["digits", f"gs://{BUCKET}/digits", "--no-progress"]) != 0:
             return 1
         run = f"gs://{BUCKET}/runs/demo"

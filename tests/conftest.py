@@ -46,7 +46,7 @@ def faulty_gcs():
     proxy = FaultProxy(emulator.port, fault_rate=0.0, seed=1).start()
     emulator.public_url = proxy.url
     with emulator:
-        storage.gcs_client().create_bucket("faulty")
+        storage.make_container("gs://faulty")
         yield proxy
     proxy.stop()
 
@@ -55,7 +55,7 @@ def faulty_gcs():
 def bucket(gcs_emulator) -> str:
     """A fresh, empty bucket; returns 'gs://<name>'."""
     name = f"test-{uuid.uuid4().hex[:12]}"
-    storage.gcs_client().create_bucket(name)
+    storage.make_container(f"gs://{name}")
     return f"gs://{name}"
 
 

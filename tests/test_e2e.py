@@ -17,6 +17,7 @@ import torch
 from tests.conftest import REPO, free_port, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
+from tpustream.storage import gcs
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +105,8 @@ def bucket_scalars(run: str, local: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, tmp_path):
     shard = f"{digits_bucket}/digits/train/train-000003.tar"
-    bucket_name, object_name = storage.split_gcs_url(shard)
-    storage.gcs_client().bucket(bucket_name).blob(object_name).delete()
+    bucket_name, object_name = gcs.split_gcs_url(shard)
+    gcs.gcs_client().bucket(bucket_name).blob(object_name).delete()
     result = run_train(
         f"data.root={digits_bucket}/digits",
         f"output_dir={digits_bucket}/runs/broken",

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, run_train, train_command
-from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
 from tpustream.data.read.plan import order_shards, plan_layout, split_by_replica
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.storage import gcs
 
 pytestmark = pytest.mark.slow
 REPLICAS = 4
@@ -102,8 +102,8 @@ def test_a_failing_replica_stops_the_whole_pod(digits_bucket, tmp_path):
         for shard in manifest.shards
     }
     shard, (reader,) = next((url, rs) for url, rs in readers.items() if len(rs) == 1)
-    bucket, name = storage.split_gcs_url(shard)
-    storage.gcs_client().bucket(bucket).blob(name).delete()
+    bucket, name = gcs.split_gcs_url(shard)
+    gcs.gcs_client().bucket(bucket).blob(name).delete()
     result = run_train(
         "accelerator=cpu_pod",
         f"accelerator.num_devices={REPLICAS}",

@@ -18,6 +18,7 @@ import pytest
 
 from tpustream import storage
 from tpustream.errors import StorageError
+from tpustream.storage import gcs
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -58,9 +59,9 @@ def test_list_names_direct_children_sorted(root):
         storage.write_bytes(storage.join(root, name), name.encode())
     if storage.is_gcs(root):
         # Folder placeholder objects, as the Cloud Console's "Create folder" makes them.
-        bucket, name = storage.split_gcs_url(root)
+        bucket, name = gcs.split_gcs_url(root)
         for placeholder in (f"{name}/", f"{name}/sub/"):
-            storage.gcs_client().bucket(bucket).blob(placeholder).upload_from_string(b"")
+            gcs.gcs_client().bucket(bucket).blob(placeholder).upload_from_string(b"")
     assert storage.list_names(root) == ["a.json", "a.tar", "b.tar"]
     assert storage.list_names(root + "/") == ["a.json", "a.tar", "b.tar"]
     assert storage.list_names(storage.join(root, "sub")) == ["c.tar"]
@@ -149,19 +150,29 @@ def test_missing_bucket_errors(missing_bucket):
     ):
         with pytest.raises(StorageError, match=message):
             call()
-    assert not storage.bucket_exists(missing_bucket)
+    assert not gcs.bucket_exists(missing_bucket)
     assert not storage.exists(url)
     assert not storage.has_same_content(url, b"data")
 
 
+def test_make_container_creates_a_bucket_or_a_folder_once(missing_bucket, tmp_path):
+    for container in (f"gs://{missing_bucket}", str(tmp_path / "a" / "b")):
+        storage.make_container(container)
+        storage.make_container(container)  # already there: nothing to do
+        storage.write_bytes(storage.join(container, "x"), b"data")
+        assert storage.read_bytes(storage.join(container, "x")) == b"data"
+    with pytest.raises(StorageError, match="read-only"):
+        storage.make_container("http://127.0.0.1:9/data")
+
+
 def test_split_gcs_url():
-    assert storage.split_gcs_url("gs://abc/x/y.tar") == ("abc", "x/y.tar")
-    assert storage.split_gcs_url("gs://abc") == ("abc", "")
+    assert gcs.split_gcs_url("gs://abc/x/y.tar") == ("abc", "x/y.tar")
+    assert gcs.split_gcs_url("gs://abc") == ("abc", "")
     for bad in ("gs://ab/x", "gs://a", "gs://", "gs:///x"):
         with pytest.raises(StorageError, match="too short"):
-            storage.split_gcs_url(bad)
+            gcs.split_gcs_url(bad)
     with pytest.raises(StorageError, match="not a gs:// URL"):
-        storage.split_gcs_url("/local/path")
+        gcs.split_gcs_url("/local/path")
 
 
 def test_local_missing_folder_and_bad_parent(tmp_path):
@@ -215,7 +226,7 @@ def test_gcs_read_ahead_stream_reads_everything_and_closes_early(bucket, monkeyp
     url = storage.join(bucket, "stream.bin")
     storage.write_bytes(url, data)
     with storage.open_read(url) as stream:
-        assert isinstance(stream, storage.ReadAheadStream)
+        assert isinstance(stream, gcs.ReadAheadStream)
         parts = []
         while piece := stream.read(777):
             assert len(piece) <= 777
@@ -240,7 +251,7 @@ def test_read_ahead_errors_are_raised_by_read_naming_the_url():
         def close(self):
             pass
 
-    stream = storage.ReadAheadStream(Failing(), "gs://bkt/shard.tar", piece_bytes=4, pieces=1)
+    stream = gcs.ReadAheadStream(Failing(), "gs://bkt/shard.tar", piece_bytes=4, pieces=1)
     assert stream.read(4) == b"xxxx"
     with pytest.raises(
         StorageError, match=r"gs://bkt/shard.tar: read failed \(ConnectionResetError: peer went away\)"
@@ -303,7 +314,7 @@ def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
     monkeypatch.setattr(storage.gcs.time, "sleep", lambda s: None)
     data = os.urandom(100_000)
     session = FakeSession(data, ["break", 503, "break", 429, "ok"])
-    stream = storage.GcsObjectStream(session, "https://gcs/o", len(data), "gs://bkt/shard.tar")
+    stream = gcs.GcsObjectStream(session, "https://gcs/o", len(data), "gs://bkt/shard.tar")
     assert read_all(stream) == data
     assert session.ranges[0] is None
     offsets = [int(r[6:-1]) for r in session.ranges[1:]]
@@ -313,15 +324,15 @@ def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
 def test_gcs_stream_gives_up_and_refuses_a_server_that_ignores_ranges(monkeypatch):
     monkeypatch.setattr(storage.gcs.time, "sleep", lambda s: None)
     data = os.urandom(10_000)
-    stream = storage.GcsObjectStream(FakeSession(data, [503] * 20), "u", len(data), "gs://bkt/a.tar")
+    stream = gcs.GcsObjectStream(FakeSession(data, [503] * 20), "u", len(data), "gs://bkt/a.tar")
     with pytest.raises(StorageError, match=r"gs://bkt/a.tar: download failed 8 times at byte 0 \(HTTP 503\)"):
         stream.read(100)
-    stream = storage.GcsObjectStream(
+    stream = gcs.GcsObjectStream(
         FakeSession(data, ["break", "ignore-range"]), "u", len(data), "gs://bkt/b.tar"
     )
     with pytest.raises(StorageError, match="ignored a ranged read"):
         read_all(stream)
-    stream = storage.GcsObjectStream(FakeSession(data, [404]), "u", len(data), "gs://bkt/c.tar")
+    stream = gcs.GcsObjectStream(FakeSession(data, [404]), "u", len(data), "gs://bkt/c.tar")
     with pytest.raises(StorageError, match=r"gs://bkt/c.tar: no such object \(404\)"):
         stream.read(1)
 
@@ -466,8 +477,8 @@ def test_gcs_stat_gives_size_and_generation(bucket, missing_bucket):
     url = f"{bucket}/shard.tar"
     storage.write_bytes(url, b"first")
     first = storage.stat(url)
-    bucket_name, name = storage.split_gcs_url(url)
-    blob = storage.gcs_client().bucket(bucket_name).get_blob(name)
+    bucket_name, name = gcs.split_gcs_url(url)
+    blob = gcs.gcs_client().bucket(bucket_name).get_blob(name)
     assert first == storage.ObjectStat(size=5, version=str(blob.generation))
     storage.write_bytes(url, b"other")
     second = storage.stat(url)

@@ -302,7 +302,7 @@ def run_storage(prefix: str) -> Iterator[tuple[str, str, str]]:
     """(a temporary folder, a fresh bucket, the emulator's URL) while the benchmark runs."""
     with tempfile.TemporaryDirectory(prefix=prefix) as workdir, GcsEmulator() as emulator:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
-        storage.gcs_client().create_bucket(bucket)
+        storage.make_container(f"gs://{bucket}")
         yield workdir, bucket, emulator.url
 
 

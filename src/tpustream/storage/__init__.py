@@ -16,46 +16,31 @@ from typing import BinaryIO
 
 from tpustream.errors import StorageError
 from tpustream.storage import gcs, local, remote
-from tpustream.storage.gcs import (
-    GCS_SCHEME,
-    GcsObjectStream,
-    ReadAheadStream,
-    bucket_exists,
-    gcs_client,
-    gcs_failures,
-    gcs_retry,
-    is_gcs,
-    split_gcs_url,
-)
+from tpustream.storage.gcs import GCS_SCHEME, is_gcs
 from tpustream.storage.scheme import ObjectStat, Scheme
 
 __all__ = [
     "GCS_SCHEME",
     "SCHEMES",
-    "GcsObjectStream",
     "ObjectStat",
-    "ReadAheadStream",
     "Scheme",
     "absolute",
-    "bucket_exists",
     "check_environment",
     "delete",
     "dirname",
     "exists",
     "find_scheme",
-    "gcs_client",
-    "gcs_failures",
-    "gcs_retry",
     "has_neighbours",
     "has_same_content",
     "is_gcs",
     "join",
+    "check_container",
     "list_names",
+    "make_container",
     "open_read",
     "probe_writable",
     "read_bytes",
     "scheme_name",
-    "split_gcs_url",
     "stat",
     "write_bytes",
     "write_bytes_verified",
@@ -171,6 +156,16 @@ def write_bytes_verified(url: str, data: bytes) -> None:
 def delete(url: str) -> bool:
     """Remove a file or object; False if it was not there."""
     return find_scheme(url).delete(url)
+
+
+def check_container(url: str) -> None:
+    """StorageError naming the bucket if url's bucket does not exist (nothing is created)."""
+    find_scheme(url).check_container(url)
+
+
+def make_container(url: str) -> None:
+    """Create what holds url's objects if it is not there: a local folder, a GCS bucket (tests, demo)."""
+    find_scheme(url).make_container(url)
 
 
 def has_same_content(url: str, data: bytes) -> bool:

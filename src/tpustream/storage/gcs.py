@@ -127,6 +127,19 @@ def bucket_exists(bucket: str) -> bool:
         return True
 
 
+def make_container(url: str) -> None:
+    """Create the bucket of gs://bucket/... if it does not exist (the demo, tests and benchmarks)."""
+    bucket, _ = split_gcs_url(url)
+    if not bucket_exists(bucket):
+        gcs_client().create_bucket(bucket)
+
+
+def check_container(url: str) -> None:
+    bucket, _ = split_gcs_url(url)
+    if not bucket_exists(bucket):
+        raise StorageError(f"{url}: bucket gs://{bucket} does not exist; create it first")
+
+
 def open_read(url: str) -> BinaryIO:
     """Open a gs:// object for streaming binary reads, read ahead by a thread."""
     bucket, name = split_gcs_url(url)

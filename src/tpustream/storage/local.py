@@ -119,3 +119,12 @@ def has_same_content(url: str, data: bytes) -> bool:
             return f.read() == data
     except OSError:
         return False
+
+
+def make_container(url: str) -> None:
+    """Create the folder url (and its parents) if it is not there."""
+    os.makedirs(path_of(url), exist_ok=True)
+
+
+def check_container(url: str) -> None:
+    """A local folder is created when written to."""

@@ -186,3 +186,11 @@ def has_same_content(url: str, data: bytes) -> bool:
     if not exists(url):
         return False
     return read_bytes(url) == data
+
+
+def make_container(url: str) -> None:
+    raise _refuse_write(url)
+
+
+def check_container(url: str) -> None:
+    raise _refuse_write(url)

@@ -40,3 +40,9 @@ class Scheme(Protocol):
     def delete(self, url: str) -> bool: ...
 
     def has_same_content(self, url: str, data: bytes) -> bool: ...
+
+    def make_container(self, url: str) -> None:
+        """Create what holds url's objects if it is not there: a local folder, a GCS bucket."""
+
+    def check_container(self, url: str) -> None:
+        """StorageError unless objects can be written under url without creating a bucket."""

@@ -169,10 +169,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def make_shards(args: argparse.Namespace) -> list[ShardManifest]:
     output = storage.absolute(args.output)
-    if storage.is_gcs(output):
-        bucket, _ = storage.split_gcs_url(output)
-        if not storage.bucket_exists(bucket):
-            raise ConfigError(f"{output}: bucket gs://{bucket} does not exist; create it first")
+    # A missing bucket is one line before the (possibly long) source load; a bad
+    # source then leaves no output folder behind.
+    storage.check_container(output)
     splits = load_source(args)
     per_shard = args.samples_per_shard or DEFAULT_SAMPLES_PER_SHARD[args.source_kind]
     skipped = SkippedImages()
