@@ -85,6 +85,14 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from tpustream.launch.checks import check_run_dir
+
+    # Hydra creates its run folder before main() runs, and reports a failure
+    # there as a traceback: say it in one line instead.
+    problem = check_run_dir(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()
     if FAILED_JOBS:
         print(f"{len(FAILED_JOBS)} job(s) of the multirun failed: {'; '.join(FAILED_JOBS)}", file=sys.stderr)

@@ -53,8 +53,19 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["accelerator=cpu_pod", "strategy=spmd_fsdp"], "the simulated pod .* runs strategy=ddp only"),
         (
             ["strategy=spmd", "accelerator.num_devices=0"],
-            "strategy=spmd on CPU needs accelerator.num_devices >= 1",
+            r"accelerator.num_devices must be at least 1 \(or null: every device\), got 0",
         ),
+        # Issue 18 (12): not the XLA:CPU collectives message, which cannot help here.
+        (["accelerator.num_devices=0"], r"accelerator.num_devices must be at least 1"),
+        (["checkpoint.every_n_steps=-5"], r"checkpoint.every_n_steps must be >= 0"),
+        (["optim.momentum=1.5"], r"optim.momentum must be in \[0, 1\), got 1.5"),
+        (["early_stop_patience=-1"], "early_stop_patience must be >= 0"),
+        (["fsdp_wrap_min_params=-1"], "fsdp_wrap_min_params must be >= 0"),
+        (["checkpoint.stop_check_every=0"], "checkpoint.stop_check_every must be at least 1"),
+        (["data.crop_padding=40"], r"data.crop_padding=40 on 32-pixel images: .* use less than 32"),
+        (["model.options.width=0"], r"model small_cnn: model.options.width must be a whole number >= 1"),
+        (["model.options.norm=layer"], r"model.options.norm='layer' is not one of batch, group"),
+        (["model=wrn_seed", "model.options.k=0"], r"model wrn_seed: model.options.k must be a whole number"),
         (
             ["accelerator=tpu", "strategy=spmd", "accelerator.num_devices=4"],
             "drives every device of the host",
@@ -290,3 +301,19 @@ def test_a_finished_or_early_stopped_run_is_not_trained_again(prepared, tmp_path
         match=r"resume=.*last.pt: nothing to train, it already finished 4 epoch\(s\) \(epochs=4\); raise",
     ):
         prepared(f"output_dir={tmp_path}/new", f"resume={out}/checkpoints/last.pt", "epochs=4")
+
+
+def test_a_run_folder_hydra_cannot_create_is_one_line(tmp_path):
+    """Issue 18 (12): not Hydra's traceback; exit 2 before anything starts."""
+    from tpustream.launch.checks import check_run_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert check_run_dir([f"hydra.run.dir={tmp_path}/new/run"]) is None
+    assert check_run_dir(["hydra.run.dir=${oc.env:HOME}/x"]) is None  # interpolations are Hydra's
+    assert "is a file, not a folder" in check_run_dir([f"++hydra.run.dir='{afile}/run'"])
+    result = run_train(f"hydra.run.dir={afile}/run", timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: hydra.run.dir={afile}/run: {afile} is a file, not a folder; " + (
+        "choose another hydra.run.dir"
+    )

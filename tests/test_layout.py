@@ -12,7 +12,6 @@ import tpustream
 SRC = Path(tpustream.__file__).parent
 # Modules past ~400 lines, each with the reason it stays whole.
 LONG_MODULES = {
-    "tpustream.storage.gcs": "the only module that imports google-cloud-storage: every GCS call in one place",
     "tpustream.data.resolve.recorded": "other tools' count files side by side, each citing its upstream code",
     "tpustream.training.trainer": "the loop and its hook methods, read top to bottom",
 }

@@ -868,6 +868,15 @@ def test_image_size_applies_to_imagefolder_only(tmp_path, capsys, source, flag):
     assert not (tmp_path / "out").exists()
 
 
+def test_source_is_not_for_digits(tmp_path, capsys):
+    """Issue 18 (12): the help says so, and now the command does too."""
+    with pytest.raises(SystemExit) as exc:
+        run("digits", str(tmp_path / "out"), "--source", str(tmp_path))
+    assert exc.value.code == 2
+    assert "--source is not for digits" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag", ["--upsample", "--samples-per-shard", "--image-size", "--max-side"])
 def test_non_positive_numbers_are_usage_errors(tmp_path, capsys, flag):
     with pytest.raises(SystemExit) as exc:

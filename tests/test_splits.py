@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import numbered_samples, write_wds_shards
+from tests.conftest import numbered_samples, png_bytes, solid_image, write_tar, write_wds_shards
 from tpustream import storage
 from tpustream.data.resolve import counting as shard_index
 from tpustream.data.resolve.counting import INDEX_NAME
@@ -114,6 +114,32 @@ def test_missing_classes_and_empty_folders_are_one_line_errors(wds_split, tmp_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"empty: no shards \(\*.tar, \*.tar.gz, \*.tgz\) and no manifest"):
         load_split(str(tmp_path / "empty"), "train", DIGITS)
+
+
+def test_the_index_command_fails_when_it_cannot_save_the_index(wds_split, monkeypatch, capsys):
+    """Issue 18 (10): counted but not saved is a failure (exit 2) that points at --output-dir."""
+
+    def read_only(url: str, data: bytes) -> None:
+        raise StorageError(f"{url}: read-only file system")
+
+    monkeypatch.setattr(storage, "write_bytes", read_only)
+    assert index_main([wds_split, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "index could not be saved beside the shards; give --output-dir" in err
+
+
+def test_unreadable_first_samples_get_the_advice_that_can_help(tmp_path):
+    """Issue 18 (12): npy members or dotted names need data.image_key, not data.image_size."""
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    png = png_bytes(solid_image(1))
+    members = [("0.npy", b"\x93NUMPY"), ("0.cls", b"1"), ("1.x.png", png), ("1.cls", b"2")]
+    (folder / "odd-000000.tar").write_bytes(write_tar(members))
+    with pytest.raises(ConfigError, match=r"no image field .* set data.image_key to the field") as caught:
+        load_split(str(folder), "train", DIGITS)
+    assert "data.image_size" not in str(caught.value)
+    named = SplitOptions(num_classes=10, image_key="x.png", progress=False)
+    assert load_split(str(folder), "train", named).image_size == (8, 8)
 
 
 def test_gcs_shards_without_manifest(bucket, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 from tpustream import storage
 from tpustream.errors import StorageError
-from tpustream.storage import gcs
+from tpustream.storage import gcs, gcs_streams
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -81,7 +81,7 @@ def test_has_same_content(root):
 
 def test_open_read_streams(root, monkeypatch):
     # Small read-ahead pieces: the reader must stitch many of them together.
-    monkeypatch.setattr(storage.gcs, "READ_AHEAD_PIECE_BYTES", 64 * 1024)
+    monkeypatch.setattr(gcs_streams, "READ_AHEAD_PIECE_BYTES", 64 * 1024)
     data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
     url = storage.join(root, "big.bin")
     storage.write_bytes(url, data)
@@ -220,8 +220,8 @@ def test_local_write_mode_follows_umask(tmp_path, umask, mode):
 
 
 def test_gcs_read_ahead_stream_reads_everything_and_closes_early(bucket, monkeypatch):
-    monkeypatch.setattr(storage.gcs, "READ_AHEAD_PIECE_BYTES", 1000)
-    monkeypatch.setattr(storage.gcs, "READ_AHEAD_PIECES", 2)
+    monkeypatch.setattr(gcs_streams, "READ_AHEAD_PIECE_BYTES", 1000)
+    monkeypatch.setattr(gcs_streams, "READ_AHEAD_PIECES", 2)
     data = os.urandom(10_000)
     url = storage.join(bucket, "stream.bin")
     storage.write_bytes(url, data)
@@ -311,7 +311,7 @@ def read_all(stream, piece=4096):
 
 
 def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
-    monkeypatch.setattr(storage.gcs.time, "sleep", lambda s: None)
+    monkeypatch.setattr(gcs_streams.time, "sleep", lambda s: None)
     data = os.urandom(100_000)
     session = FakeSession(data, ["break", 503, "break", 429, "ok"])
     stream = gcs.GcsObjectStream(session, "https://gcs/o", len(data), "gs://bkt/shard.tar")
@@ -322,7 +322,7 @@ def test_gcs_stream_resumes_at_the_byte_reached(monkeypatch):
 
 
 def test_gcs_stream_gives_up_and_refuses_a_server_that_ignores_ranges(monkeypatch):
-    monkeypatch.setattr(storage.gcs.time, "sleep", lambda s: None)
+    monkeypatch.setattr(gcs_streams.time, "sleep", lambda s: None)
     data = os.urandom(10_000)
     stream = gcs.GcsObjectStream(FakeSession(data, [503] * 20), "u", len(data), "gs://bkt/a.tar")
     with pytest.raises(StorageError, match=r"gs://bkt/a.tar: download failed 8 times at byte 0 \(HTTP 503\)"):

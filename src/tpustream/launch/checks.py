@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import typing
 from typing import Any
@@ -27,13 +26,10 @@ from tpustream.config import (
     TrainConfig,
     TrainCrop,
 )
-from tpustream.data.format.decode import check_image_key, check_label_key
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.crops import check_eval_crop_ratio
 from tpustream.data.read.plan import plan_layout
-from tpustream.data.read.user_stages import load_user_stage
 from tpustream.errors import ConfigError, StorageError
-from tpustream.models import check_model_options
+from tpustream.models import check_model_builds
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +117,34 @@ def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
             check_known_keys(value, fields[key], f"{name}.")
 
 
+def check_run_dir(argv: list[str]) -> str | None:
+    """Why Hydra could not create this run's folder, as one line; None if it can.
+
+    Hydra creates ``hydra.run.dir`` (default ``outputs/<date>/<time>`` under the
+    current folder) before anything of ours runs, and a failure there is its
+    traceback; train.py asks this first. Interpolated values and multiruns
+    are left to Hydra.
+    """
+    if "-m" in argv or "--multirun" in argv:
+        return None
+    value = "outputs"
+    for arg in argv:
+        key, sep, given = arg.lstrip("+").partition("=")
+        if sep and key == "hydra.run.dir":
+            value = given.strip("'\"")
+    if "${" in value:
+        return None
+    folder = os.path.abspath(os.path.expanduser(value))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"hydra.run.dir={value}: {existing} is a file, not a folder; choose another hydra.run.dir"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"hydra.run.dir={value}: cannot write in {existing}; choose another hydra.run.dir"
+    return None
+
+
 def check_environment() -> None:
     """Environment settings we read, checked before anything uses them."""
     storage.check_environment()
@@ -153,14 +177,15 @@ def check_run_folders(cfg: TrainConfig) -> None:
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Checks that need no data and no device."""
+    """Checks that need no data and no device: each section's own (TrainConfig.check), then across them."""
+    cfg.check()
     acc = cfg.accelerator
     if acc.collectives == Collectives.gloo:
         if acc.device != Device.CPU:
             raise ConfigError(
                 "accelerator.collectives=gloo is the simulated pod: it needs accelerator.device=CPU"
             )
-        if acc.num_devices is None or acc.num_devices < 1:
+        if acc.num_devices is None:
             raise ConfigError("the simulated pod (collectives=gloo) needs accelerator.num_devices >= 1")
         if cfg.strategy in SPMD_STRATEGIES:
             raise ConfigError(
@@ -169,7 +194,7 @@ def check_config(cfg: TrainConfig) -> None:
                 "accelerator.num_devices=N for N virtual XLA CPU devices"
             )
     elif cfg.strategy in SPMD_STRATEGIES:
-        if acc.device == Device.CPU and (acc.num_devices is None or acc.num_devices < 1):
+        if acc.device == Device.CPU and acc.num_devices is None:
             raise ConfigError(
                 f"strategy={cfg.strategy.value} on CPU needs accelerator.num_devices >= 1 "
                 "(the virtual XLA CPU devices of the mesh)"
@@ -190,49 +215,6 @@ def check_config(cfg: TrainConfig) -> None:
             f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
             "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
         )
-    optim = cfg.optim
-    if not math.isfinite(optim.lr) or optim.lr <= 0:
-        raise ConfigError(f"optim.lr must be a positive number, got {optim.lr}")
-    if not 0 <= optim.label_smoothing < 1:
-        raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {optim.label_smoothing}")
-    if optim.weight_decay < 0 or optim.momentum < 0:
-        raise ConfigError("optim.weight_decay and optim.momentum must be >= 0")
-    if optim.warmup_epochs < 0 or not 0 <= optim.min_lr_ratio <= 1:
-        raise ConfigError("optim.warmup_epochs must be >= 0 and optim.min_lr_ratio in [0, 1]")
-    if not optim.decay_every_epochs > 0 or not 0 < optim.decay_factor <= 1:
-        raise ConfigError(
-            f"optim.decay_every_epochs must be > 0 and optim.decay_factor in (0, 1], got "
-            f"{optim.decay_every_epochs} and {optim.decay_factor}"
-        )
-    if cfg.seed < 0:
-        raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {cfg.seed}")
-    if not 0 <= cfg.data.max_bad_fraction <= 1:
-        raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {cfg.data.max_bad_fraction}")
-    if cfg.data.prefetch_factor < 1:
-        raise ConfigError(f"data.prefetch_factor must be at least 1, got {cfg.data.prefetch_factor}")
-    for name, value in (
-        ("batch_size", cfg.batch_size),
-        ("epochs", cfg.epochs),
-        ("log_steps", cfg.log_steps),
-        ("micro_batches", cfg.micro_batches),
-    ):
-        if value < 1:
-            raise ConfigError(f"{name} must be at least 1, got {value}")
-    if cfg.batch_size % cfg.micro_batches:
-        raise ConfigError(
-            f"micro_batches={cfg.micro_batches} must divide batch_size={cfg.batch_size} "
-            "(every micro-batch has the same shape, so the step compiles once)"
-        )
-    if cfg.eval_every < 0:
-        raise ConfigError(f"eval_every must be >= 0 (0 = never), got {cfg.eval_every}")
-    if cfg.eval_every == 0 and cfg.early_stop_patience:
-        raise ConfigError("early_stop_patience needs validation; eval_every=0 turns it off")
-    if cfg.optim.reference_batch_size is not None and cfg.optim.reference_batch_size < 1:
-        raise ConfigError(
-            f"optim.reference_batch_size must be at least 1, got {cfg.optim.reference_batch_size}"
-        )
-    if not 0 <= cfg.debug.profiler_port < 65536:
-        raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {cfg.debug.profiler_port}")
     if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
         raise ConfigError(
             f"debug.check_sync_every compares the replicas' copies of the model; strategy="
@@ -249,44 +231,6 @@ def check_config(cfg: TrainConfig) -> None:
                 "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
                 "replica holds a different shard"
             )
-    if cfg.debug.check_sync_every < 0:
-        raise ConfigError(f"debug.check_sync_every must be >= 0, got {cfg.debug.check_sync_every}")
-    if cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
-    if cfg.data.crop_padding < 0 or cfg.data.shuffle_buffer < 0:
-        raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
-    if len(cfg.data.mean) != len(cfg.data.std) or any(s <= 0 for s in cfg.data.std):
-        raise ConfigError("data.mean and data.std need one value per channel, std > 0")
-    check_data_keys(cfg)
-    check_model_options(cfg.model.name, dict(cfg.model.options))
-
-
-def check_data_keys(cfg: TrainConfig) -> None:
-    """The data keys that describe foreign shards: fields, shape, and the user's stages."""
-    data = cfg.data
-    for name in ("train_shards", "val_shards"):
-        value = getattr(data, name)
-        if not (
-            isinstance(value, str)
-            or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
-        ):
-            raise ConfigError(f"data.{name} must be a string or a non-empty list of strings, got {value!r}")
-    check_image_key(data.image_key)
-    check_label_key(data.label_key)
-    if data.channels not in (None, 1, 3):
-        raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {data.channels}")
-    for name in ("num_classes", "image_size"):
-        value = getattr(data, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
-    check_eval_crop_ratio(data.eval_crop_ratio)
-    if data.train_crop == TrainCrop.random_resized and data.in_memory:
-        raise ConfigError(
-            "data.in_memory holds decoded images of one size; data.train_crop=random_resized "
-            "crops every epoch anew from the encoded images: use one or the other"
-        )
-    for path in data.stages:
-        load_user_stage(path)
 
 
 def replica_batch_size(cfg: TrainConfig, devices_per_replica: int) -> int:
@@ -324,6 +268,19 @@ def check_data(
         raise ConfigError("train and validation manifests list different classes")
     if len(cfg.data.mean) != train.channels:
         raise ConfigError(f"data.mean has {len(cfg.data.mean)} values, images have {train.channels} channels")
+    side = min(train.image_size)
+    if TrainCrop(cfg.data.train_crop) == TrainCrop.pad_crop and cfg.data.crop_padding >= side:
+        raise ConfigError(
+            f"data.crop_padding={cfg.data.crop_padding} on {side}-pixel images: a crop could hold no "
+            f"pixel of the image; use less than {side} (the CIFAR recipe pads 4 of 32)"
+        )
+    check_model_builds(
+        cfg.model.name,
+        num_classes=train.num_classes,
+        image_size=max(train.image_size),
+        channels=train.channels,
+        **cfg.model.options,
+    )
     if world_size is not None and devices_per_replica is not None:
         share = train.num_samples // world_size
         batch = replica_batch_size(cfg, devices_per_replica)

@@ -33,7 +33,9 @@ def small_cnn(
     """
     del image_size  # global pooling makes the head independent of the input size
     if norm not in NORMS:
-        raise ConfigError(f"model small_cnn: norm={norm!r} is not one of {', '.join(NORMS)}")
+        raise ConfigError(f"model small_cnn: model.options.norm={norm!r} is not one of {', '.join(NORMS)}")
+    if not isinstance(width, int) or width < 1:
+        raise ConfigError(f"model small_cnn: model.options.width must be a whole number >= 1, got {width!r}")
     return nn.Sequential(
         _conv_norm_relu(channels, width, norm),
         nn.MaxPool2d(2),

@@ -39,6 +39,26 @@ def check_model_options(name: str, options: dict) -> None:
         raise ConfigError(f"model.options for {name}: {exc}") from None
 
 
+def check_model_builds(name: str, *, num_classes: int, image_size: int, channels: int, **options) -> None:
+    """Build the model on the meta device (shapes only: free even for 100M parameters), or ConfigError.
+
+    The families check their option values; anything else a constructor
+    raises with these options is one line here instead of a traceback in
+    every replica.
+    """
+    import torch
+
+    try:
+        with torch.device("meta"):
+            create_model(name, num_classes=num_classes, image_size=image_size, channels=channels, **options)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a constructor's own error: name it with the options that caused it
+        raise ConfigError(
+            f"model={name} with model.options {options}: {exc.__class__.__name__}: {exc}"
+        ) from None
+
+
 def create_model(name: str, *, num_classes: int, image_size: int, channels: int, **options) -> nn.Module:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(model_names())}")

@@ -76,6 +76,15 @@ def wrn_seed(
     Smaller k/n/kernel_size give the same architecture at a size the XLA CPU
     device trains in seconds.
     """
+    for name, value in (("k", k), ("n", n), ("kernel_size", kernel_size), ("base_width", base_width)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"model wrn_seed: model.options.{name} must be a whole number >= 1, got {value!r}"
+            )
+    if kernel_size % 2 == 0:
+        raise ConfigError(
+            f"model wrn_seed: model.options.kernel_size must be odd (same padding), got {kernel_size}"
+        )
     if image_size % 4:
         raise ConfigError(
             f"model wrn_seed halves the image twice; image size {image_size} is not a multiple of 4"

@@ -68,7 +68,14 @@ def index_shards(args: argparse.Namespace) -> int:
             saved, rate = count_into_index(
                 folder, entries, todo, output_dir, progress=not args.no_progress, threads=args.threads
             )
-            print(f"{folder}: counted {rate.describe()}; index {saved or 'NOT saved'}", flush=True)
+            if saved is None:
+                # The command's one job failed: say where it can save instead, and fail.
+                where = f" nor in {output_dir}" if output_dir else "; give --output-dir (e.g. a run folder)"
+                raise TpustreamError(
+                    f"{folder}: counted {rate.describe()}, but the index could not be saved beside the "
+                    f"shards{where}"
+                )
+            print(f"{folder}: counted {rate.describe()}; index {saved}", flush=True)
         samples = sum(entries[u].samples for u in members)
         total += samples
         already = len(members) - len(todo)

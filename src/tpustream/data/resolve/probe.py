@@ -120,8 +120,22 @@ def _first_image_shape(
             reasons.append(str(exc))
     first_reason = reasons[0] if reasons else "no samples"
     raise ConfigError(
-        f"{name}: cannot learn the image size from the first samples ({first_reason}); set data.image_size"
+        f"{name}: cannot learn the image size from the first samples ({first_reason}){_advice(first_reason)}"
     )
+
+
+def _advice(reason: str) -> str:
+    """What to set, for why the first samples gave no image size: only the setting that can help."""
+    if "no image field" in reason:
+        # A field named otherwise (a dotted name such as "x.png") or not an image
+        # at all (npy arrays): data.image_size cannot help.
+        return (
+            "; set data.image_key to the field that holds the encoded image (e.g. data.image_key=x.png "
+            "for a field x.png); arrays such as npy are not images tpustream decodes"
+        )
+    if "raw pixels" in reason:
+        return "; raw pixels carry no size: set data.image_size (and data.channels)"
+    return "; check data.image_key, or set data.image_size"
 
 
 # Samples read to check the fields. A first sample that fails alone is bad

@@ -157,6 +157,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--image-size and --max-side exclude each other: --image-size makes every image SxS, "
             "--max-side only shrinks the large ones and keeps the rest as they are"
         )
+    if args.source_kind == "digits" and args.source is not None:
+        parser.error("--source is not for digits: scikit-learn ships the digits images")
     if args.source_kind == "imagefolder" and args.image_size is None and args.image_format is not None:
         parser.error(
             "--image-format applies to imagefolder only with --image-size: without it the image files "

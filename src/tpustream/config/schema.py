@@ -1,105 +1,32 @@
-"""Typed configuration schemas, registered in Hydra's ConfigStore.
+"""Typed configuration schemas: one dataclass per section, each checking its own fields (``check``).
 
 The YAML files in conf/ fill these dataclasses; Hydra checks every key and
 type against them when it composes the config, so a typo such as
 ``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
+Checks across sections, the data and the machine are launch.checks'.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from tpustream.config.choices import (
+    Collectives,
+    Device,
+    IndexMode,
+    LastBatch,
+    OnError,
+    OptimizerName,
+    Precision,
+    Schedule,
+    Strategy,
+    TrainCrop,
+)
 from tpustream.errors import ConfigError
-
-
-class LastBatch(str, Enum):
-    """What to do with training samples that cannot fill a whole global batch."""
-
-    pad = "pad"  # wrap around to the epoch's first samples; they weigh zero in the loss
-    drop = "drop"  # leave them out of this epoch (a different tail each epoch)
-
-
-# What to do with a corrupt or incomplete sample or shard. skip: log it
-# (bounded), count it and fill its place, so the step count never changes;
-# raise: stop the run naming the shard and sample. The functional form lets a
-# member be called "raise", which is what users type (data.on_error=raise).
-OnError = Enum("OnError", {"skip": "skip", "raise": "raise"}, type=str)
-
-
-class TrainCrop(str, Enum):
-    """How a training image becomes the model's input."""
-
-    # Zero-pad by data.crop_padding and crop back at a random offset (the
-    # CIFAR recipe): for small images all of one size.
-    pad_crop = "pad_crop"
-    # torchvision's RandomResizedCrop to data.image_size (the ImageNet
-    # recipe), for images of any size; evaluation then resizes the shorter
-    # side to image_size / eval_crop_ratio and takes the centre square.
-    random_resized = "random_resized"
-
-
-class IndexMode(str, Enum):
-    """What to do when no sample count is recorded for a shard."""
-
-    auto = "auto"  # count the shards at start (once per job) and save an index for the next run
-    never = "never"  # a missing count is an error: run `tpustream-index` first
-
-
-class Device(str, Enum):
-    CPU = "CPU"
-    TPU = "TPU"
-
-
-class Collectives(str, Enum):
-    xla = "xla"  # torch_xla collectives across the XLA devices of an xmp.spawn job (TPU, one CPU device)
-    gloo = "gloo"  # a simulated pod: one process per replica, each its own XLA CPU device, over gloo
-
-
-class Precision(str, Enum):
-    fp32 = "fp32"
-    # Convolutions and matmuls in bfloat16 under torch.autocast on the XLA
-    # device; weights, optimizer state, loss and metrics stay float32.
-    # (XLA_USE_BF16, the old mechanism, is deprecated upstream.)
-    bf16 = "bf16"
-
-
-class Strategy(str, Enum):
-    # Every replica holds the whole model; gradients averaged by xm.optimizer_step.
-    ddp = "ddp"
-    # torch_xla's fully sharded data parallel: parameters, gradients and
-    # optimizer state sharded over the replicas, for models that do not fit
-    # one core. XLA collectives only (not the gloo-simulated pod).
-    fsdp = "fsdp"
-    # One process per host drives all of its devices as one GSPMD program:
-    # data parallel over the device mesh, the model replicated.
-    spmd = "spmd"
-    # GSPMD with FSDPv2: parameters, gradients and optimizer state sharded
-    # along the mesh; the answer for models that do not fit one core.
-    spmd_fsdp = "spmd_fsdp"
-
-
-# The strategies that run one GSPMD program per host instead of a process per device.
-SPMD_STRATEGIES = (Strategy.spmd, Strategy.spmd_fsdp)
-
-
-class OptimizerName(str, Enum):
-    sgd = "sgd"
-    adamw = "adamw"
-
-
-class Schedule(str, Enum):
-    cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * lr
-    constant = "constant"  # linear warmup, then constant
-    # linear warmup, then lr x decay_factor ** (epochs done // decay_every_epochs),
-    # not below min_lr_ratio * lr (pytorch/xla's WarmupAndExponentialDecayScheduler)
-    step = "step"
 
 
 @dataclass
@@ -161,6 +88,48 @@ class DataConfig:
     # every epoch: same batches, no storage reads or decoding after the first.
     in_memory: bool = False
 
+    def check(self) -> None:
+        """Each data.* field on its own (what needs the manifest is launch.checks.check_data's)."""
+        from tpustream.data.format.decode import check_image_key, check_label_key
+        from tpustream.data.read.crops import check_eval_crop_ratio
+        from tpustream.data.read.user_stages import load_user_stage
+
+        for name in ("train_shards", "val_shards"):
+            value = getattr(self, name)
+            if not (
+                isinstance(value, str)
+                or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+            ):
+                raise ConfigError(
+                    f"data.{name} must be a string or a non-empty list of strings, got {value!r}"
+                )
+        check_image_key(self.image_key)
+        check_label_key(self.label_key)
+        if self.channels not in (None, 1, 3):
+            raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {self.channels}")
+        for name in ("num_classes", "image_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+        if self.prefetch_factor < 1:
+            raise ConfigError(f"data.prefetch_factor must be at least 1, got {self.prefetch_factor}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.crop_padding < 0 or self.shuffle_buffer < 0:
+            raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
+        if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
+            raise ConfigError("data.mean and data.std need one value per channel, std > 0")
+        check_eval_crop_ratio(self.eval_crop_ratio)
+        if self.train_crop == TrainCrop.random_resized and self.in_memory:
+            raise ConfigError(
+                "data.in_memory holds decoded images of one size; data.train_crop=random_resized "
+                "crops every epoch anew from the encoded images: use one or the other"
+            )
+        for path in self.stages:
+            load_user_stage(path)
+
 
 @dataclass
 class ModelConfig:
@@ -168,6 +137,12 @@ class ModelConfig:
 
     name: str = MISSING
     options: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """The family exists and takes these options with these values (built on the meta device)."""
+        from tpustream.models import check_model_options
+
+        check_model_options(self.name, dict(self.options))
 
 
 @dataclass
@@ -191,6 +166,27 @@ class OptimConfig:
     decay_every_epochs: float = 30.0
     decay_factor: float = 0.1
 
+    def check(self) -> None:
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ConfigError(f"optim.lr must be a positive number, got {self.lr}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum must be in [0, 1), got {self.momentum}")
+        if self.warmup_epochs < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("optim.warmup_epochs must be >= 0 and optim.min_lr_ratio in [0, 1]")
+        if not self.decay_every_epochs > 0 or not 0 < self.decay_factor <= 1:
+            raise ConfigError(
+                f"optim.decay_every_epochs must be > 0 and optim.decay_factor in (0, 1], got "
+                f"{self.decay_every_epochs} and {self.decay_factor}"
+            )
+        if self.reference_batch_size is not None and self.reference_batch_size < 1:
+            raise ConfigError(
+                f"optim.reference_batch_size must be at least 1, got {self.reference_batch_size}"
+            )
+
 
 @dataclass
 class AcceleratorConfig:
@@ -206,6 +202,13 @@ class AcceleratorConfig:
     # Run the single replica inside this process instead of a spawned child (debuggers).
     in_process: bool = False
 
+    def check(self) -> None:
+        """How many devices, on its own (what the strategy allows is launch.checks.check_config's)."""
+        if self.num_devices is not None and self.num_devices < 1:
+            raise ConfigError(
+                f"accelerator.num_devices must be at least 1 (or null: every device), got {self.num_devices}"
+            )
+
 
 @dataclass
 class CheckpointConfig:
@@ -219,6 +222,14 @@ class CheckpointConfig:
     # Local folder for a checkpoint that could not be written to output_dir
     # (e.g. GCS unreachable after retries); null = <log_dir>/unsaved.
     fallback_dir: str | None = None
+
+    def check(self) -> None:
+        if self.every_n_steps < 0:
+            raise ConfigError(
+                f"checkpoint.every_n_steps must be >= 0 (0 = epoch ends only), got {self.every_n_steps}"
+            )
+        if self.stop_check_every < 1:
+            raise ConfigError(f"checkpoint.stop_check_every must be at least 1, got {self.stop_check_every}")
 
 
 @dataclass
@@ -239,6 +250,13 @@ class DebugConfig:
     metrics: bool = False
     # Start the torch_xla profiler server on this port + local ordinal (0 = off).
     profiler_port: int = 0
+
+    def check(self) -> None:
+        if not 0 <= self.profiler_port < 65536:
+            raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {self.profiler_port}")
+        for name in ("check_sync_every", "stop_at_step"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"debug.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
 
 
 @dataclass
@@ -297,29 +315,22 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
-
-def register_configs() -> None:
-    """Register the schemas so conf/*.yaml can extend them by name."""
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="optim", name="optim_schema", node=OptimConfig)
-    cs.store(group="accelerator", name="accelerator_schema", node=AcceleratorConfig)
-
-
-# -- settings read from the environment (the few that are not config keys) --
-
-
-def positive_seconds(name: str, default: float) -> float:
-    """Environment variable `name` as a finite, positive number of seconds; ConfigError naming it if not."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ConfigError(f"{name}={value!r}: expected a positive number of seconds (default {default:g})")
-    return seconds
+    def check(self) -> None:
+        """Every section's own fields, then the top-level keys (cross-section rules: launch.checks)."""
+        for section in (self.data, self.model, self.optim, self.accelerator, self.checkpoint, self.debug):
+            section.check()
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {self.seed}")
+        for name in ("batch_size", "epochs", "log_steps", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batches:
+            raise ConfigError(
+                f"micro_batches={self.micro_batches} must divide batch_size={self.batch_size} "
+                "(every micro-batch has the same shape, so the step compiles once)"
+            )
+        for name in ("eval_every", "early_stop_patience", "fsdp_wrap_min_params"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.eval_every == 0 and self.early_stop_patience:
+            raise ConfigError("early_stop_patience needs validation; eval_every=0 turns it off")

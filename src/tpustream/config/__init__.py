@@ -1,0 +1,70 @@
+"""Typed configuration schemas, registered in Hydra's ConfigStore.
+
+The YAML files in conf/ fill these dataclasses; Hydra checks every key and
+type against them when it composes the config, so a typo such as
+``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
+
+``schema`` holds the dataclasses (each section checks its own fields),
+``choices`` the enums, ``environment`` the settings read from the environment.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from tpustream.config.choices import (
+    SPMD_STRATEGIES,
+    Collectives,
+    Device,
+    IndexMode,
+    LastBatch,
+    OnError,
+    OptimizerName,
+    Precision,
+    Schedule,
+    Strategy,
+    TrainCrop,
+)
+from tpustream.config.environment import positive_seconds
+from tpustream.config.schema import (
+    AcceleratorConfig,
+    CheckpointConfig,
+    DataConfig,
+    DebugConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "SPMD_STRATEGIES",
+    "AcceleratorConfig",
+    "CheckpointConfig",
+    "Collectives",
+    "DataConfig",
+    "DebugConfig",
+    "Device",
+    "IndexMode",
+    "LastBatch",
+    "ModelConfig",
+    "OnError",
+    "OptimConfig",
+    "OptimizerName",
+    "Precision",
+    "Schedule",
+    "Strategy",
+    "TrainConfig",
+    "TrainCrop",
+    "positive_seconds",
+    "register_configs",
+]
+
+
+def register_configs() -> None:
+    """Register the schemas so conf/*.yaml can extend them by name."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="accelerator", name="accelerator_schema", node=AcceleratorConfig)

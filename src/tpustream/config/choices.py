@@ -1,0 +1,88 @@
+"""The closed choices of the config: each enum is the set of values one key accepts."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class LastBatch(str, Enum):
+    """What to do with training samples that cannot fill a whole global batch."""
+
+    pad = "pad"  # wrap around to the epoch's first samples; they weigh zero in the loss
+    drop = "drop"  # leave them out of this epoch (a different tail each epoch)
+
+
+# What to do with a corrupt or incomplete sample or shard. skip: log it
+# (bounded), count it and fill its place, so the step count never changes;
+# raise: stop the run naming the shard and sample. The functional form lets a
+# member be called "raise", which is what users type (data.on_error=raise).
+OnError = Enum("OnError", {"skip": "skip", "raise": "raise"}, type=str)
+
+
+class TrainCrop(str, Enum):
+    """How a training image becomes the model's input."""
+
+    # Zero-pad by data.crop_padding and crop back at a random offset (the
+    # CIFAR recipe): for small images all of one size.
+    pad_crop = "pad_crop"
+    # torchvision's RandomResizedCrop to data.image_size (the ImageNet
+    # recipe), for images of any size; evaluation then resizes the shorter
+    # side to image_size / eval_crop_ratio and takes the centre square.
+    random_resized = "random_resized"
+
+
+class IndexMode(str, Enum):
+    """What to do when no sample count is recorded for a shard."""
+
+    auto = "auto"  # count the shards at start (once per job) and save an index for the next run
+    never = "never"  # a missing count is an error: run `tpustream-index` first
+
+
+class Device(str, Enum):
+    CPU = "CPU"
+    TPU = "TPU"
+
+
+class Collectives(str, Enum):
+    xla = "xla"  # torch_xla collectives across the XLA devices of an xmp.spawn job (TPU, one CPU device)
+    gloo = "gloo"  # a simulated pod: one process per replica, each its own XLA CPU device, over gloo
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    # Convolutions and matmuls in bfloat16 under torch.autocast on the XLA
+    # device; weights, optimizer state, loss and metrics stay float32.
+    # (XLA_USE_BF16, the old mechanism, is deprecated upstream.)
+    bf16 = "bf16"
+
+
+class Strategy(str, Enum):
+    # Every replica holds the whole model; gradients averaged by xm.optimizer_step.
+    ddp = "ddp"
+    # torch_xla's fully sharded data parallel: parameters, gradients and
+    # optimizer state sharded over the replicas, for models that do not fit
+    # one core. XLA collectives only (not the gloo-simulated pod).
+    fsdp = "fsdp"
+    # One process per host drives all of its devices as one GSPMD program:
+    # data parallel over the device mesh, the model replicated.
+    spmd = "spmd"
+    # GSPMD with FSDPv2: parameters, gradients and optimizer state sharded
+    # along the mesh; the answer for models that do not fit one core.
+    spmd_fsdp = "spmd_fsdp"
+
+
+# The strategies that run one GSPMD program per host instead of a process per device.
+SPMD_STRATEGIES = (Strategy.spmd, Strategy.spmd_fsdp)
+
+
+class OptimizerName(str, Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * lr
+    constant = "constant"  # linear warmup, then constant
+    # linear warmup, then lr x decay_factor ** (epochs done // decay_every_epochs),
+    # not below min_lr_ratio * lr (pytorch/xla's WarmupAndExponentialDecayScheduler)
+    step = "step"
