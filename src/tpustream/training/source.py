@@ -2,7 +2,7 @@
 
 The trainer sees a split only through this interface, never through the
 DataLoader or the dataset behind it, so the loop can be driven by any source
-of batches (``data.loader.CountingLoader`` in a run, in-memory batches in
+of batches (``data.read.loader.CountingLoader`` in a run, in-memory batches in
 tests).
 """
 

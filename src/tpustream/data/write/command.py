@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # The worker pool is shut down on the way out (shard_writer._run_tasks);
+        # The worker pool is shut down on the way out (writer._run_tasks);
         # shard writes are atomic and a split's manifest is written only once
         # all its shards are, so what is left is consistent and a rerun resumes.
         print(
