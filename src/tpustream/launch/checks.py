@@ -127,12 +127,17 @@ def check_run_dir(argv: list[str]) -> str | None:
     """
     if "-m" in argv or "--multirun" in argv:
         return None
-    value = "outputs"
+    # Another primary config may set hydra.run.dir itself: then only a value given here is ours to check.
+    other_config = any(
+        a.split("=")[0] in ("-cp", "-cd", "-cn", "--config-path", "--config-dir", "--config-name")
+        for a in argv
+    )
+    value = None if other_config else "outputs"
     for arg in argv:
         key, sep, given = arg.lstrip("+").partition("=")
         if sep and key == "hydra.run.dir":
             value = given.strip("'\"")
-    if "${" in value:
+    if value is None or "${" in value:
         return None
     folder = os.path.abspath(os.path.expanduser(value))
     existing = folder
