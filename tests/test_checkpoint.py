@@ -195,3 +195,10 @@ def test_config_differences_name_dotted_keys_outside_the_ignored_ones():
         "seed: 0 -> (unset)",
     ]
     assert config_differences(saved, saved) == []
+    # A key added since the run was made: no difference at its default, one otherwise.
+    from tpustream.checkpoint import schema_defaults
+
+    newer = {**saved, "model": {"library": "tpustream"}}
+    assert config_differences(saved, newer, defaults=schema_defaults()) == []
+    newer["model"]["library"] = "timm"
+    assert config_differences(saved, newer, defaults=schema_defaults()) == ["model.library: (unset) -> timm"]

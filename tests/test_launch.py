@@ -185,7 +185,7 @@ def test_resuming_another_model_is_one_line_naming_the_tensor(prepared, tmp_path
     storage.write_bytes(f"{out}/checkpoints/last.pt", checkpoint_bytes(weights))
     prepared(f"output_dir={out}", "resume=auto", "model.options.width=8")  # the same model: fine
     with pytest.raises(
-        ConfigError, match=r"holds another model than model=small_cnn with 10 classes \(.* differ"
+        ConfigError, match=r"holds another model than model.name=small_cnn with 10 classes \(.* differ"
     ):
         prepared(f"output_dir={out}", "resume=auto")
 

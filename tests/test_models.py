@@ -99,3 +99,88 @@ def test_model_options_are_checked_before_anything_runs():
         check_model_options("wrn_seed", {"depth": 28})
     with pytest.raises(ConfigError, match="not a known model"):
         check_model_options("wrn", {})
+
+
+def test_timm_and_torchvision_names_are_checked_with_close_matches():
+    check_model_options("vit_tiny_patch16_224", {"img_size": 32}, "timm")
+    check_model_options("mobilenet_v3_small", {}, "torchvision")
+    with pytest.raises(
+        ConfigError, match=r"'vit_tiny_patch16_24' is not a timm model; close: vit_tiny_patch16_224"
+    ):
+        check_model_options("vit_tiny_patch16_24", {}, "timm")
+    with pytest.raises(ConfigError, match=r"'resnet_18' is not a torchvision classifier; close: .*resnet18"):
+        check_model_options("resnet_18", {}, "torchvision")
+    with pytest.raises(
+        ConfigError, match=r"model.options.pretrained for timm: .* without downloading weights"
+    ):
+        check_model_options("resnet18", {"pretrained": True}, "timm")
+    with pytest.raises(ConfigError, match=r"'resnet_18' is not a known model \(close: resnet18"):
+        check_model_options("resnet_18", {})
+
+
+def test_a_model_is_built_and_run_on_the_meta_device_before_spawning():
+    from tpustream.models import check_model_builds
+
+    vit = {"img_size": 32, "patch_size": 4}
+    check_model_builds(
+        "vit_tiny_patch16_224", vit, num_classes=10, input_size=(32, 32), channels=3, library="timm"
+    )
+    # Made for 224 px and fed 32 px: the forward pass says so, with the option that helps.
+    with pytest.raises(
+        ConfigError, match=r"timm vit_tiny_patch16_224 .* doesn't match model \(224\).*img_size"
+    ):
+        check_model_builds(
+            "vit_tiny_patch16_224", {}, num_classes=10, input_size=(32, 32), channels=3, library="timm"
+        )
+    with pytest.raises(ConfigError, match=r"unexpected keyword argument 'depth'"):
+        check_model_builds(
+            "resnet18", {"depth": 3}, num_classes=10, input_size=(32, 32), channels=3, library="timm"
+        )
+    with pytest.raises(ConfigError, match="takes 3-channel images; these have 1"):
+        check_model_builds(
+            "resnet18", {}, num_classes=10, input_size=(32, 32), channels=1, library="torchvision"
+        )
+    # The built-in families run through the same check.
+    check_model_builds("small_cnn", {"width": 8}, num_classes=10, input_size=(24, 32), channels=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "model=timm",
+            "model.name=vit_tiny_patch16_224",
+            "+model.options.img_size=32",
+            "+model.options.patch_size=4",
+        ],
+        ["model=timm", "model.name=convnext_atto"],
+        ["model=torchvision", "model.name=resnet18"],
+    ],
+    ids=["timm-vit", "timm-convnext", "torchvision-resnet"],
+)
+def test_library_models_train_on_xla_and_compile_once(digits_root, tmp_path, overrides):
+    """One train and one eval graph, compiled in epoch 0 and never again (a pod's steps stay fast)."""
+    from tests.conftest import run_train
+    from tpustream.checkpoint import read_metrics
+
+    run = str(tmp_path / "run")
+    result = run_train(
+        f"data.root={digits_root}",
+        f"data.train_shards='{digits_root}/train/train-000000.tar'",
+        *overrides,
+        "optim=adamw",
+        "epochs=2",
+        "batch_size=32",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"output_dir={run}",
+        f"hydra.run.dir={tmp_path}/h",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run)
+    # The train step and evaluation, once each (and with BatchNorm one graph
+    # more on the first step's fresh buffers), all in epoch 0: none after.
+    first, second = (r["compilations"] for r in records)
+    assert first == second <= 3
+    assert [r["val_samples"] for r in records] == [359, 359]

@@ -87,18 +87,44 @@ def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(
-    saved: Mapping[str, Any], current: Mapping[str, Any], ignore: tuple[str, ...] = FINGERPRINT_IGNORES
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    ignore: tuple[str, ...] = FINGERPRINT_IGNORES,
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """The dotted keys whose values differ, as "key: saved -> current", leaving out `ignore` (and below)."""
+    """The dotted keys whose values differ, as "key: saved -> current", leaving out `ignore` (and below).
+
+    A key the saved config lacks (one added to tpustream since that run) is
+    no difference when the current value is its default in `defaults`: the
+    run was made under that default.
+    """
     old, new = _flatten(saved), _flatten(current)
+    known = _flatten(defaults or {})
     differences = []
     for key in sorted(set(old) | set(new)):
         if any(key == name or key.startswith(f"{name}.") for name in ignore):
+            continue
+        if key not in old and key in known and new.get(key) == known[key]:
             continue
         before, after = old.get(key, "(unset)"), new.get(key, "(unset)")
         if before != after:
             differences.append(f"{key}: {before} -> {after}")
     return differences
+
+
+def schema_defaults() -> dict[str, Any]:
+    """Every config key's default as plain data (for config_differences), from the typed schema."""
+    import dataclasses
+    import typing
+
+    from tpustream.config import TrainConfig
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(TrainConfig), enum_to_str=True)
+    # The sections are MISSING in TrainConfig (conf/ chooses them): take each one's own defaults.
+    for name, kind in typing.get_type_hints(TrainConfig).items():
+        if dataclasses.is_dataclass(kind):
+            defaults[name] = OmegaConf.to_container(OmegaConf.structured(kind), enum_to_str=True)
+    return defaults
 
 
 class CheckpointError(ConfigError):

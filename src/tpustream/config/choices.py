@@ -75,6 +75,14 @@ class Strategy(str, Enum):
 SPMD_STRATEGIES = (Strategy.spmd, Strategy.spmd_fsdp)
 
 
+class ModelLibrary(str, Enum):
+    """Where model.name is looked up."""
+
+    tpustream = "tpustream"  # the built-in families (small_cnn, resnet18, resnet50, wrn_seed)
+    timm = "timm"  # any timm image classifier: timm.create_model(name, num_classes, in_chans, **options)
+    torchvision = "torchvision"  # torchvision.models.get_model(name, num_classes, **options)
+
+
 class OptimizerName(str, Enum):
     sgd = "sgd"
     adamw = "adamw"

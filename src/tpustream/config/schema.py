@@ -19,6 +19,7 @@ from tpustream.config.choices import (
     Device,
     IndexMode,
     LastBatch,
+    ModelLibrary,
     OnError,
     OptimizerName,
     Precision,
@@ -133,16 +134,23 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """A registered model family and its keyword options."""
+    """A model: its library, its name there, and the keyword options its constructor takes."""
 
+    # tpustream (built-in families), timm (model=timm) or torchvision (model=torchvision).
+    library: ModelLibrary = ModelLibrary.tpustream
     name: str = MISSING
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        """The family exists and takes these options with these values (built on the meta device)."""
+        """The name exists in its library (close matches named if not); built-ins: their options bind.
+
+        Every model is also built and run on the meta device with the data's
+        shapes before spawning (launch.checks.check_data), which catches the
+        option values and input sizes a constructor refuses.
+        """
         from tpustream.models import check_model_options
 
-        check_model_options(self.name, dict(self.options))
+        check_model_options(self.name, dict(self.options), ModelLibrary(self.library).value)
 
 
 @dataclass

@@ -281,10 +281,11 @@ def check_data(
         )
     check_model_builds(
         cfg.model.name,
+        dict(cfg.model.options),
         num_classes=train.num_classes,
-        image_size=max(train.image_size),
+        input_size=train.image_size,
         channels=train.channels,
-        **cfg.model.options,
+        library=cfg.model.library,
     )
     if world_size is not None and devices_per_replica is not None:
         share = train.num_samples // world_size

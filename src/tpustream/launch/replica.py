@@ -115,6 +115,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         num_classes=plan.train.num_classes,
         image_size=max(height, width),
         channels=plan.train.channels,
+        library=cfg.model.library,
         **cfg.model.options,
     )
     train_loader = make_loader(

@@ -17,6 +17,7 @@ from tpustream.checkpoint import (
     ResumePoint,
     config_differences,
     read_metrics,
+    schema_defaults,
 )
 from tpustream.config import TrainConfig
 from tpustream.data.format.manifest import ShardManifest
@@ -105,6 +106,7 @@ def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, A
             num_classes=train.num_classes,
             image_size=max(height, width),
             channels=train.channels,
+            library=cfg.model.library,
             **cfg.model.options,
         )
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -122,7 +124,7 @@ def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, A
         first = (missing or unexpected)[0]
         detail = f"{len(missing)} missing and {len(unexpected)} unexpected tensor(s), first {first}"
     raise ConfigError(
-        f"resume from {source}: the checkpoint holds another model than model={cfg.model.name} with "
+        f"resume from {source}: the checkpoint holds another model than model.name={cfg.model.name} with "
         f"{train.num_classes} classes ({detail}); use another output_dir, or resume={OVERWRITE_RESUME} to "
         "delete the run there and start fresh"
     )
@@ -139,7 +141,7 @@ def check_resume_config(cfg: TrainConfig, config: dict[str, Any], resume: Resume
     saved = resume.state.get("config")
     if saved is None:
         return
-    differences = config_differences(saved, config, RESUME_MAY_DIFFER)
+    differences = config_differences(saved, config, RESUME_MAY_DIFFER, schema_defaults())
     if not differences:
         return
     shown = "; ".join(differences[:MAX_SHOWN_DIFFERENCES])
