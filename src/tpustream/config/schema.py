@@ -140,6 +140,10 @@ class ModelConfig:
     library: ModelLibrary = ModelLibrary.tpustream
     name: str = MISSING
     options: dict[str, Any] = field(default_factory=dict)
+    # Start a fresh run from the weights in this file (local path, gs:// or
+    # http(s)://; safetensors or torch; timm's, torchvision's or our key layout).
+    # A head of another class count starts freshly initialised. null = none.
+    pretrained: str | None = None
 
     def check(self) -> None:
         """The name exists in its library (close matches named if not); built-ins: their options bind.
@@ -151,6 +155,11 @@ class ModelConfig:
         from tpustream.models import check_model_options
 
         check_model_options(self.name, dict(self.options), ModelLibrary(self.library).value)
+        if self.pretrained is not None and str(self.pretrained).lower() in ("true", "false", ""):
+            raise ConfigError(
+                f"model.pretrained={self.pretrained}: give the weights' file (a path, gs:// or "
+                "http(s):// URL); the libraries' own weights are not downloaded at run time"
+            )
 
 
 @dataclass

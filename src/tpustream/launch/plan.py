@@ -53,6 +53,8 @@ class RunPlan:
     started_at: float | None = None  # when train.py started (time.time()), for set-up time
     # Why the run folder's run has nothing left to train (no replica starts), or None.
     finished: str | None = None
+    # model.pretrained, checked and copied to this host: (local file, head tensors left fresh).
+    pretrained: tuple[str, list[str]] | None = None
 
 
 def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
@@ -90,6 +92,16 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         check_resume_config(typed, plain, resume)
         finished = check_not_finished(typed, resume)
         del resume  # the checkpoint's tensors: each replica reads its own copy
+    pretrained = None
+    if typed.model.pretrained and not typed.eval_only:
+        if resume_url is None:
+            pretrained = fetch_model_pretrained(typed, train)
+        else:
+            log.info(
+                "model.pretrained=%s is not loaded: the run continues from %s",
+                typed.model.pretrained,
+                resume_url,
+            )
     if typed.eval_only and resume_url is None:
         raise ConfigError(
             f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
@@ -100,7 +112,27 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             "so nothing is saved",
             typed.xla_cache_dir,
         )
-    return RunPlan(typed, plain, train, val, resume_url, started_at, finished)
+    return RunPlan(typed, plain, train, val, resume_url, started_at, finished, pretrained)
+
+
+def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str, list[str]]:
+    """model.pretrained read once on this host and checked against the model (built on the meta device)."""
+    import torch
+
+    from tpustream.models import create_model
+    from tpustream.models.pretrained import fetch_pretrained
+
+    height, width = train.image_size
+    with torch.device("meta"):
+        model = create_model(
+            cfg.model.name,
+            num_classes=train.num_classes,
+            image_size=max(height, width),
+            channels=train.channels,
+            library=cfg.model.library,
+            **cfg.model.options,
+        )
+    return fetch_pretrained(model, cfg.model.pretrained)
 
 
 def read_final_metrics(output_dir: str) -> dict[str, Any] | None:

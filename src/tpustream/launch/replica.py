@@ -118,6 +118,10 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         library=cfg.model.library,
         **cfg.model.options,
     )
+    if plan.pretrained is not None and plan.resume_url is None:
+        from tpustream.models.pretrained import load_pretrained
+
+        load_pretrained(model, *plan.pretrained)
     train_loader = make_loader(
         train_stream,
         cfg.data.num_workers,

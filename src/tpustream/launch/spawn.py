@@ -16,6 +16,7 @@ handling, death with its parent, and the one way a failure is reported.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
@@ -78,8 +79,13 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
         plan.cfg.output_dir,
         f"; resuming from {plan.resume_url}" if plan.resume_url else "",
     )
-    with starting_replicas():
-        {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd}[way](plan)
+    try:
+        with starting_replicas():
+            {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd}[way](plan)
+    finally:
+        if plan.pretrained is not None:  # the host's copy of model.pretrained: the replicas are done
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(plan.pretrained[0])
     return read_final_metrics(plan.cfg.output_dir)
 
 
