@@ -80,3 +80,57 @@ def test_the_epoch_line_reads_as_before(tmp_path, caplog):
         "Epoch=1 train: loss=1.9139 samples=768 (replica steps 12) skipped=0 GlobalRate=38.3 time=12.3s | "
         "val: not this epoch (eval_every)",
     ]
+
+
+# LINE as train.py writes it since top-5 is reported: val_top5 and its count after val_samples.
+_AFTER_SAMPLES = list(LINE).index("val_samples") + 1
+LINE_TOP5 = dict(
+    [*list(LINE.items())[:_AFTER_SAMPLES], ("val_top5", 0.6128133704735376), ("val_top5_correct", 220)]
+    + list(LINE.items())[_AFTER_SAMPLES:]
+)
+
+
+class RecordingTensorBoard:
+    """The scalars an EpochReporter sends to TensorBoard, last value per name."""
+
+    def __init__(self):
+        self.values: dict[str, float] = {}
+
+    def scalars(self, step, values):
+        self.values.update(values)
+
+    def sync(self):
+        return True
+
+
+def test_top5_reads_and_writes_back_and_older_lines_have_none():
+    record = EpochRecord.from_dict(LINE_TOP5)
+    assert (record.val_top5, record.val_top5_correct) == (0.6128133704735376, 220)
+    assert list(record.to_dict().items()) == list(LINE_TOP5.items())
+    older = EpochRecord.from_dict(LINE)
+    assert older.val_top5 is None and older.val_top5_correct is None
+    assert "val_top5" not in older.to_dict()
+
+
+def test_the_epoch_line_and_tensorboard_show_top5_when_the_record_has_it(tmp_path, caplog):
+    reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
+    reporter.tensorboard = RecordingTensorBoard()
+    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+        reporter.report_epoch(EpochRecord.from_dict(LINE_TOP5), 0.1671309192200557, 1, 24, [38.3])
+    assert caplog.messages == [
+        "Epoch=1 train: loss=1.9139 samples=768 (replica steps 12) skipped=0 GlobalRate=38.3 time=12.3s | "
+        "val: accuracy=16.71% (60/359) top5=61.28% loss=2.1587 skipped=0 | best=16.71% (epoch 1)",
+    ]
+    assert reporter.tensorboard.values["epoch/val_top5"] == 0.6128133704735376
+    reporter.tensorboard = RecordingTensorBoard()
+    reporter.report_epoch(EpochRecord.from_dict(LINE), 0.1671309192200557, 1, 24, [38.3])
+    assert "epoch/val_top5" not in reporter.tensorboard.values
+
+
+def test_the_evaluation_line_of_eval_only_shows_top5(tmp_path, caplog):
+    reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
+    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+        reporter.report_evaluation(1, EpochRecord.from_dict(LINE_TOP5).to_dict())
+    assert caplog.messages == [
+        "evaluation of the checkpoint from epoch 1: accuracy=16.71% (60/359) top5=61.28% loss=2.1587"
+    ]

@@ -34,6 +34,8 @@ METRICS_KEYS = {
     "val_accuracy",
     "val_correct",
     "val_samples",
+    "val_top5",
+    "val_top5_correct",
     "val_loss",
     "val_seconds",
     "val_filled",
@@ -87,6 +89,8 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
     assert set(records[0]) == METRICS_KEYS  # no setup_seconds: started_at was not given
     assert records[1]["train_samples"] == TRAIN_SAMPLES and records[1]["replica_steps"] == 24
     assert records[1]["val_samples"] == VAL_SAMPLES
+    # tiny_model has 4 classes: top-5 is top-4, every sample.
+    assert (records[1]["val_top5"], records[1]["val_top5_correct"]) == (1.0, VAL_SAMPLES)
     assert (tmp_path / "run" / METRICS).exists()
     last, best = load_checkpoint(checkpoint_url(run, LAST)), load_checkpoint(checkpoint_url(run, BEST))
     assert (last["position"], last["epoch"], last["global_step"]) == ({"epoch": 2, "step": 0}, 1, 48)
@@ -98,7 +102,8 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
     assert re.search(
         r"Epoch=1 train: loss=\d\.\d{4} samples=96 \(replica steps 24\) skipped=0 "
         r"GlobalRate=[\d.]+ time=[\d.]+s "
-        r"\| val: accuracy=[\d.]+% \(\d+/18\) loss=\d\.\d{4} skipped=0 \| best=[\d.]+% \(epoch \d\)",
+        r"\| val: accuracy=[\d.]+% \(\d+/18\) top5=100\.00% loss=\d\.\d{4} skipped=0 "
+        r"\| best=[\d.]+% \(epoch \d\)",
         text,
     )
 
@@ -154,7 +159,14 @@ def test_a_mid_epoch_checkpoint_holds_every_replicas_sums_and_resuming_completes
     got, want_records = read_metrics(run), reference.results[0]["history"]
     assert [r["epoch"] for r in got] == [0, 1]
     for mine, theirs in zip(got, want_records, strict=True):
-        for key in ("train_samples", "replica_steps", "val_correct", "val_samples", "train_filled"):
+        for key in (
+            "train_samples",
+            "replica_steps",
+            "val_correct",
+            "val_top5_correct",
+            "val_samples",
+            "train_filled",
+        ):
             assert mine[key] == theirs[key], key
         assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-6)

@@ -1,4 +1,4 @@
-"""Evaluation apart from the training loop: accuracy and loss over a whole split, exact over replicas."""
+"""Evaluation apart from the training loop: top-1, top-5 and loss over a whole split, exact over replicas."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tpustream.training.state import device_values
 
 
 class Evaluator:
-    """Accuracy over the whole validation split, summed exactly over replicas.
+    """Top-1 and top-5 accuracy over the whole validation split, summed exactly over replicas.
 
     Built once per replica from the split's batches (as big_vision's
     evaluators, apart from the loop); the trainer runs it at epoch ends and
@@ -53,12 +53,13 @@ class Evaluator:
 
         Padded places weigh zero (their "real" flag is 0), so every sample
         counts once whatever the world size. `first`: this process evaluates
-        for the first time (its graph compiles).
+        for the first time (its graph compiles). Top-5 with fewer than 5
+        classes is top-(number of classes), so 100%.
         """
         model.eval()
         self.loader.set_epoch(epoch)
-        correct, count, loss_sum = device_values(
-            self.runtime, (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
+        correct, top5_correct, count, loss_sum = device_values(
+            self.runtime, (0, torch.int32), (0, torch.int32), (0, torch.int32), (0.0, torch.float32)
         )
         start = time.time()
         for index, batch in enumerate(self.runtime.device_loader(self.loader)):
@@ -66,6 +67,9 @@ class Evaluator:
                 logits = model(self.normalize(batch["image"]))
             real = batch["real"] > 0
             correct += (logits.argmax(dim=1).eq(batch["label"]) & real).sum().int()
+            # k is the logits' static width, so the graph is the same for every batch.
+            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            top5_correct += (top.eq(batch["label"].unsqueeze(1)).any(dim=1) & real).sum().int()
             count += real.sum().int()
             loss_sum += (
                 F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
@@ -74,17 +78,20 @@ class Evaluator:
             if stop(index):
                 return None
         self.loader.raise_if_incomplete("validation")
-        correct, count, loss_sum = self.runtime.all_reduce_sum([correct, count, loss_sum])
+        # The counts as one tensor: one reduction and one read to the host for all three.
+        counts, loss_sum = self.runtime.all_reduce_sum([torch.cat([correct, top5_correct, count]), loss_sum])
         per_replica = self.runtime.all_gather_host(
             f"eval-epoch-{epoch}", (self.loader.filled, self.loader.bad_shards)
         )
         filled = sum(replica_filled for replica_filled, _ in per_replica)
         self.bad_shards = first_distinct(url for _, urls in per_replica for url in urls)
-        correct, count = int(correct.item()), int(count.item())
+        correct, top5_correct, count = (int(value) for value in counts.tolist())
         return {
             "val_accuracy": correct / max(count, 1),
             "val_correct": correct,
             "val_samples": count,
+            "val_top5": top5_correct / max(count, 1),
+            "val_top5_correct": top5_correct,
             "val_loss": loss_sum.item() / max(count, 1),
             "val_seconds": time.time() - start,
             "val_filled": int(filled),

@@ -35,7 +35,7 @@ class EpochRecord:
     Sums and counts are over all replicas; *_seconds and wall_time are the
     reporting replica's. Fields left None are absent from the line: val_* in
     epochs without evaluation, setup_seconds after a process's first epoch,
-    epoch_seconds in lines written before it existed.
+    epoch_seconds and val_top5* in lines written before they existed.
     """
 
     epoch: int
@@ -50,6 +50,9 @@ class EpochRecord:
     val_accuracy: float | None = None
     val_correct: int | None = None
     val_samples: int | None = None
+    # Label among the 5 highest logits (all of them with fewer than 5 classes: 100%).
+    val_top5: float | None = None
+    val_top5_correct: int | None = None
     val_loss: float | None = None
     val_seconds: float | None = None
     val_filled: int | None = None
@@ -154,11 +157,12 @@ class EpochReporter:
     def report_evaluation(self, epoch: int, metrics: Mapping[str, Any]) -> None:
         """eval_only: the checkpoint's evaluation (every replica)."""
         log.info(
-            "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) loss=%.4f",
+            "evaluation of the checkpoint from epoch %d: accuracy=%.2f%% (%d/%d) top5=%.2f%% loss=%.4f",
             epoch,
             100 * metrics["val_accuracy"],
             metrics["val_correct"],
             metrics["val_samples"],
+            100 * metrics["val_top5"],
             metrics["val_loss"],
         )
 
@@ -210,9 +214,10 @@ class EpochReporter:
             f"(replica steps {record.replica_steps}) skipped={record.train_filled} "
             f"GlobalRate={record.global_rate:.1f} time={record.train_seconds:.1f}s"
         )
+        top5 = f" top5={100 * record.val_top5:.2f}%" if record.val_top5 is not None else ""
         val = (
             f"val: accuracy={100 * record.val_accuracy:.2f}% ({record.val_correct}/"
-            f"{record.val_samples}) loss={record.val_loss:.4f} skipped={record.val_filled} | "
+            f"{record.val_samples}){top5} loss={record.val_loss:.4f} skipped={record.val_filled} | "
             f"best={100 * best_accuracy:.2f}% (epoch {best_epoch})"
             if record.evaluated
             else "val: not this epoch (eval_every)"
@@ -229,6 +234,8 @@ class EpochReporter:
         values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(replica_rates)})
         if record.evaluated:
             values.update({"epoch/val_accuracy": record.val_accuracy, "epoch/val_loss": record.val_loss})
+        if record.val_top5 is not None:
+            values["epoch/val_top5"] = record.val_top5
         self.tensorboard.scalars(global_step, values)
         self.tensorboard.sync()
 
