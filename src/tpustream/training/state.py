@@ -174,8 +174,8 @@ class TrainState:
         return dataclasses.replace(self, global_step=self.global_step - self.step, step=0, partial=None)
 
 
-def device_values(runtime: Runtime, *values: tuple[float, torch.dtype]) -> list[torch.Tensor]:
-    """Metric accumulators of shape (1,), made on the host and copied over.
+def device_values(runtime: Runtime, *values: tuple[float | list[float], torch.dtype]) -> list[torch.Tensor]:
+    """Metric accumulators of shape (1,) (or (n,) for a list of n values), made on the host and copied over.
 
     torch.zeros(device=xla), or a 0-dim host zero copied over, is a
     constant in the next graph rather than data, and fused with whatever
@@ -183,7 +183,10 @@ def device_values(runtime: Runtime, *values: tuple[float, torch.dtype]) -> list[
     tensor is device data and compiles nothing (once the runtime has
     placed it as the step's outputs are placed).
     """
-    tensors = [torch.tensor([value], dtype=dtype).to(runtime.device) for value, dtype in values]
+    tensors = [
+        torch.tensor(value if isinstance(value, list) else [value], dtype=dtype).to(runtime.device)
+        for value, dtype in values
+    ]
     runtime.place(tensors)
     return tensors
 
