@@ -256,3 +256,34 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
         digits_root, tmp_path / "eval", "eval_only=true", f"resume={checkpoint_url(straight, 'best.pt')}"
     )
     assert f"accuracy={100 * best['val_accuracy']:.2f}% ({best['val_correct']}/359)" in stderr
+
+
+@pytest.mark.slow
+def test_lamb_recipe_trains_and_resumes_bit_for_bit(digits_root, tmp_path):
+    """conf/optim/lamb.yaml on XLA: the loss falls, epoch 1 compiles nothing new, and a run
+    stopped inside epoch 1 resumes to the uninterrupted run's weights and optimizer state.
+
+    LAMB, as its step count is a device tensor that the checkpoint must put back on the
+    device; LARS's state is momentum buffers as SGD's (its steps on XLA, and both
+    optimizers' resumes, are in test_optimizers)."""
+    recipe = (
+        "optim=lamb",
+        "epochs=2",
+        "optim.warmup_epochs=0.5",
+        "optim.clip_grad_norm=1.0",
+    )
+    straight, _ = quick_run(digits_root, tmp_path / "straight", *recipe)
+    records = read_metrics(straight)
+    assert records[1]["train_loss"] < records[0]["train_loss"]
+    assert records[1]["compilations"] == records[0]["compilations"]  # all in epoch 0, none after
+
+    interrupted = tmp_path / "interrupted"
+    _, stderr = quick_run(digits_root, interrupted, *recipe, f"debug.stop_at_step={SUBSET_STEPS + 5}")
+    assert "stopped at epoch 1, step 5" in stderr
+    resumed, _ = quick_run(digits_root, interrupted, *recipe)
+    got, want = last_state(resumed), last_state(straight)
+    for key, tensor in want["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+    states = zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True)
+    for mine, theirs in states:
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)

@@ -86,6 +86,11 @@ class ModelLibrary(str, Enum):
 class OptimizerName(str, Enum):
     sgd = "sgd"
     adamw = "adamw"
+    # SGD with momentum and a per-tensor trust ratio (You et al. 2017); the
+    # MLPerf ResNet-50 optimizer for global batches up to 32k and more.
+    lars = "lars"
+    # Adam with a per-tensor trust ratio (You et al. 2019).
+    lamb = "lamb"
 
 
 class Schedule(str, Enum):
@@ -94,3 +99,6 @@ class Schedule(str, Enum):
     # linear warmup, then lr x decay_factor ** (epochs done // decay_every_epochs),
     # not below min_lr_ratio * lr (pytorch/xla's WarmupAndExponentialDecayScheduler)
     step = "step"
+    # linear warmup, then lr x (1 - progress) ** poly_power, not below
+    # min_lr_ratio * lr (MLPerf ResNet-50's LARS schedule, power 2)
+    poly = "poly"

@@ -182,6 +182,22 @@ class OptimConfig:
     # decay_every_epochs, counted from the first step (warmup included).
     decay_every_epochs: float = 30.0
     decay_factor: float = 0.1
+    # schedule=poly: after the warmup, lr x (1 - progress) ** poly_power, not
+    # below min_lr_ratio x lr (2 in MLPerf ResNet-50's LARS recipe).
+    poly_power: float = 2.0
+    # Before every step, scale all gradients so that their global L2 norm (over
+    # every parameter, after the replicas' gradients are averaged) is at most
+    # this, on the device (torch.nn.utils.clip_grad_norm_'s rule); 0 = off.
+    clip_grad_norm: float = 0.0
+    # name=lars: the trust coefficient eta (You et al. 2017): each weight
+    # tensor's step is scaled by eta x |w| / (|g| + weight_decay x |w| + eps).
+    # Norm weights and biases get neither this nor weight decay.
+    lars_eta: float = 0.001
+    # name=adamw and lamb: the decay rates of Adam's first and second moments.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # Added to denominators: Adam's and LAMB's sqrt(second moment) (the LAMB
+    # paper uses 1e-6), LARS's trust-ratio denominator (MLPerf: 0).
+    eps: float = 1e-8
 
     def check(self) -> None:
         if not math.isfinite(self.lr) or self.lr <= 0:
@@ -202,6 +218,25 @@ class OptimConfig:
         if self.reference_batch_size is not None and self.reference_batch_size < 1:
             raise ConfigError(
                 f"optim.reference_batch_size must be at least 1, got {self.reference_batch_size}"
+            )
+        self.check_large_batch_fields()
+
+    def check_large_batch_fields(self) -> None:
+        """The fields of the lars and lamb recipes: poly schedule, clipping, trust coefficient, Adam's."""
+        for name in ("poly_power", "lars_eta"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"optim.{name} must be a positive number, got {value}")
+        if not math.isfinite(self.clip_grad_norm) or self.clip_grad_norm < 0:
+            raise ConfigError(f"optim.clip_grad_norm must be >= 0 (0 = off), got {self.clip_grad_norm}")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ConfigError(f"optim.eps must be >= 0, got {self.eps}")
+        if self.eps == 0 and self.name in (OptimizerName.adamw, OptimizerName.lamb):
+            raise ConfigError(
+                f"optim.eps must be > 0 for optim.name={OptimizerName(self.name).value}: "
+                "it keeps sqrt(second moment) + eps from being 0"
             )
 
 
