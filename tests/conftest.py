@@ -175,11 +175,15 @@ def assert_same_run(run: str, reference: str, steps: int) -> None:
     assert got["global_step"] == want["global_step"] == steps
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), f"{name} differs"  # bitwise
+    assert (got.get("ema") is None) == (want.get("ema") is None)
+    for name, tensor in (want.get("ema") or {}).items():
+        assert torch.equal(got["ema"][name], tensor), f"the average's {name} differs"
     for a, b in zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in b)
     for mine, theirs in zip(read_metrics(run), read_metrics(reference), strict=True):
         for key in ("val_correct", "val_samples", "train_samples", "replica_steps", "epoch"):
             assert mine[key] == theirs[key], key
+        assert mine.get("ema_val_correct") == theirs.get("ema_val_correct")
         # Reduction order differs once an epoch is split across two runs.
         assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
 

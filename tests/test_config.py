@@ -124,3 +124,34 @@ def test_xla_cache_dir_auto_is_on_for_tpu_only(compose_config, monkeypatch, tmp_
         assert typed.xla_cache_dir is None
     else:
         assert typed.xla_cache_dir == os.path.expanduser(expected).format(cwd=tmp_path)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_passes_the_checks_and_builds(compose_config, experiment):
+    """conf/experiment/*.yaml as +experiment=NAME: a whole config, its model built on the meta device."""
+    from tpustream.launch.checks import check_config
+    from tpustream.models.registry import check_model_builds
+
+    typed, _ = resolve_config(compose_config(f"+experiment={experiment}", "accelerator=tpu"))
+    check_config(typed)
+    size = typed.data.image_size
+    check_model_builds(
+        typed.model.name,
+        dict(typed.model.options),
+        num_classes=1000,
+        input_size=(size, size),
+        channels=3,
+        library=typed.model.library,
+    )
+
+
+def test_the_experiments_carry_their_sources_numbers(compose_config):
+    mlperf, _ = resolve_config(compose_config("+experiment=mlperf_resnet50_lars"))
+    assert (mlperf.model.name, mlperf.optim.name, mlperf.optim.lr) == ("resnet50", "lars", 10.0)
+    assert (mlperf.epochs, mlperf.eval_every, mlperf.precision) == (42, 4, "bf16")
+    assert (mlperf.batch_size, mlperf.optim.label_smoothing, mlperf.data.name) == (64, 0.1, "imagenet")
+    deit, _ = resolve_config(compose_config("+experiment=deit_small", "optim.lr=1e-4"))
+    assert (deit.model.library, deit.model.name) == ("timm", "deit_small_patch16_224")
+    assert (deit.optim.name, deit.optim.lr, deit.optim.reference_batch_size) == ("adamw", 1e-4, 512)
+    assert (deit.optim.weight_decay, deit.optim.label_smoothing, deit.optim.warmup_epochs) == (0.05, 0.1, 5)
+    assert (deit.ema.decay, deit.model.options["drop_path_rate"], deit.epochs) == (0.99996, 0.1, 300)

@@ -59,7 +59,7 @@ def test_top1_and_top5_are_exact_over_replicas_with_the_padding_masked():
         assert metrics["val_accuracy"] == pytest.approx(2 / 7)
         assert metrics["val_top5"] == pytest.approx(5 / 7)
         # Top-5 rides on the reduction top-1 already made: no collective added.
-        assert collectives == ["all_reduce_sum", "all_gather_host:eval-epoch-0"]
+        assert collectives == ["all_reduce_sum", "all_gather_host:eval-model-epoch-0"]
 
 
 def test_with_fewer_than_5_classes_top5_is_every_class():

@@ -71,3 +71,28 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
     with pytest.raises(SystemExit):
         export_main([str(tmp_path), "--checkpoint", "middle"])
+
+
+def test_the_weight_average_exports_when_best_followed_it_or_when_asked(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    raw = create_model("small_cnn", num_classes=5, image_size=24, channels=1, width=8).state_dict()
+    average = {name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in raw.items()}
+    config = {
+        "model": {"name": "small_cnn", "options": {"width": 8}},
+        "data": {"image_size": None, "channels": None},
+        "ema": {"decay": 0.99, "select_best": "ema"},
+    }
+    url = str(tmp_path / "best.pt")
+    storage.write_bytes(url, encode_checkpoint({"model": raw, "ema": average, "config": config}))
+    for weights, want in (("auto", average), ("raw", raw), ("ema", average)):
+        out = tmp_path / weights
+        assert export_main([url, "--out", str(out), "--weights", weights]) == 0
+        got = load_file(str(out / "model.safetensors"))
+        assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
+        chosen = json.loads((out / "tpustream.json").read_text())["weights"]
+        assert chosen == ("raw" if weights == "raw" else "ema")
+    storage.write_bytes(url, encode_checkpoint({"model": raw, "ema": None, "config": config}))
+    assert export_main([url, "--out", str(tmp_path / "none"), "--weights", "ema"]) == 2
+    assert "holds no weight average" in capsys.readouterr().err

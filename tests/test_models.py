@@ -148,16 +148,10 @@ def test_a_model_is_built_and_run_on_the_meta_device_before_spawning():
 @pytest.mark.parametrize(
     "overrides",
     [
-        [
-            "model=timm",
-            "model.name=vit_tiny_patch16_224",
-            "+model.options.img_size=32",
-            "+model.options.patch_size=4",
-        ],
         ["model=timm", "model.name=convnext_atto"],
         ["model=torchvision", "model.name=resnet18"],
     ],
-    ids=["timm-vit", "timm-convnext", "torchvision-resnet"],
+    ids=["timm-convnext", "torchvision-resnet"],
 )
 def test_library_models_train_on_xla_and_compile_once(digits_root, tmp_path, overrides):
     """One train and one eval graph, compiled in epoch 0 and never again (a pod's steps stay fast)."""
@@ -184,3 +178,66 @@ def test_library_models_train_on_xla_and_compile_once(digits_root, tmp_path, ove
     first, second = (r["compilations"] for r in records)
     assert first == second <= 3
     assert [r["val_samples"] for r in records] == [359, 359]
+
+
+@pytest.mark.slow
+def test_a_timm_vit_learns_digits_with_ema_and_compiles_in_epoch_0_only(digits_root, tmp_path):
+    """timm's ViT (2 blocks of width 64, 8 px patches on 32 px digits) from scratch, EMA on.
+
+    The average is evaluated through the model's evaluation graph and updated
+    inside the train step: with it, still nothing compiles after epoch 0.
+    """
+    from tests.conftest import run_train
+    from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
+
+    run = str(tmp_path / "run")
+    vit = ("img_size=32", "patch_size=8", "depth=2", "embed_dim=64", "num_heads=2", "global_pool=avg")
+    result = run_train(
+        f"data.root={digits_root}",
+        "model=timm",
+        "model.name=vit_tiny_patch16_224",
+        *(f"+model.options.{option}" for option in vit),
+        "+model.options.class_token=false",
+        "optim=adamw",
+        "optim.lr=3e-3",
+        "optim.warmup_epochs=0.5",
+        "ema.decay=0.99",
+        "ema.warmup=true",
+        "epochs=6",
+        "batch_size=32",
+        "log_steps=1000",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"output_dir={run}",
+        f"hydra.run.dir={tmp_path}/h",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run)
+    assert len({r["compilations"] for r in records}) == 1  # all in epoch 0
+    last = records[-1]
+    # Measured: 65% and 63% (EMA) after 6 epochs of 1,438 images; chance is 10%.
+    assert last["val_accuracy"] > 0.5 and last["ema_val_accuracy"] > 0.5
+    assert last["val_top5"] > 0.9 and last["ema_val_top5"] > 0.9
+    best = load_checkpoint(checkpoint_url(run, "best.pt"))
+    assert best["ema"].keys() == best["model"].keys()
+
+    # best.pt of a timm model, evaluated on its own (ddp): the accuracies the run reported.
+    evaluated = run_train(
+        f"data.root={digits_root}",
+        "eval_only=true",
+        f"resume={checkpoint_url(run, 'best.pt')}",
+        "model=timm",
+        "model.name=vit_tiny_patch16_224",
+        *(f"+model.options.{option}" for option in vit),
+        "+model.options.class_token=false",
+        "ema.decay=0.99",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"output_dir={tmp_path}/eval",
+        f"hydra.run.dir={tmp_path}/h2",
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    reported = records[best["epoch"]]
+    log = evaluated.stderr
+    assert f"accuracy={100 * reported['val_accuracy']:.2f}% ({reported['val_correct']}/359)" in log
+    assert f"(ema): accuracy={100 * reported['ema_val_accuracy']:.2f}%" in log

@@ -1,8 +1,8 @@
-"""LARS, LAMB, gradient clipping and the poly schedule: the math on tiny tensors, the groups, the config.
+"""LARS, LAMB, gradient clipping, the poly schedule and layer decay: the math on tiny tensors, the groups.
 
-The references are the papers' formulas written out in float64 (timm is not a
-dependency); the XLA test runs the optimizers on the XLA CPU device in a
-process of its own.
+The references are the papers' formulas written out in float64, and for
+optim.layer_decay timm's own param_groups_layer_decay; the XLA tests run the
+optimizers on the XLA CPU device in a process of their own.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import torch.nn as nn
 from tests.conftest import REPO
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import ConfigError
-from tpustream.launch import resolve_config
+from tpustream.launch import prepare, resolve_config
 from tpustream.training.optim import (
     LRSchedule,
     build_optimizer,
     make_schedule,
     prime_optimizer_state,
+    set_learning_rate,
     sum_over_shards,
     xla_safe_scalar,
 )
@@ -349,6 +350,9 @@ def test_poly_schedule_decays_by_the_power_and_stops_at_the_floor():
         ("betas", [0.9, 1.0], "optim.betas must be two numbers in [0, 1)"),
         ("betas", [0.9], "optim.betas must be two numbers in [0, 1)"),
         ("eps", -1e-8, "optim.eps must be >= 0"),
+        ("layer_decay", 1.5, "optim.layer_decay must be in (0, 1] (0 or 1 = off), got 1.5"),
+        ("layer_decay", -0.1, "optim.layer_decay must be in (0, 1]"),
+        ("layer_decay", float("nan"), "optim.layer_decay must be in (0, 1]"),
     ],
 )
 def test_optim_fields_are_range_checked(field, value, message):
@@ -437,13 +441,259 @@ for cls in (LARS, LAMB):
 def test_steps_on_xla_compile_once_read_nothing_on_the_host_and_match_eager(mode):
     """Five steps with five learning rates: one graph, no .item() (aten::_local_scalar_dense),
     the eager CPU result; spmd: parameters split over 4 devices, whose norms GSPMD makes global."""
+    stdout = run_on_xla(XLA_SCRIPT, mode, devices=4 if mode == "spmd" else 1)
+    assert stdout.split("\n")[:2] == ["LARS 1 None", "LAMB 1 None"]
+
+
+def run_on_xla(script: str, *args: str, devices: int = 1) -> str:
+    """The script's output, run on the XLA CPU device in a process of its own."""
     result = subprocess.run(
-        [sys.executable, "-c", XLA_SCRIPT, mode],
+        [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=str(REPO),
-        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4" if mode == "spmd" else "1"},
+        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[:2] == ["LARS 1 None", "LAMB 1 None"]
+    return result.stdout
+
+
+# -- optim.layer_decay ------------------------------------------------------------
+
+
+def tiny_vit() -> nn.Module:
+    """timm's ViT-Tiny with 2 blocks on 32-pixel images: layers embeddings, block 0, block 1, head."""
+    from tpustream.models import create_model
+
+    torch.manual_seed(0)
+    options = {"img_size": 32, "patch_size": 4, "depth": 2}
+    return create_model(
+        "vit_tiny_patch16_224", num_classes=10, image_size=32, channels=3, library="timm", **options
+    )
+
+
+def effective_decay(group: dict) -> float:
+    """A group's weight decay, also where AdamW's is applied by decay_from_step_values."""
+    return group.get("hooked_weight_decay", group["weight_decay"])
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lars", "lamb"])
+def test_layer_decay_groups_and_scales_are_timms(name):
+    from timm.optim import param_groups_layer_decay
+
+    model = tiny_vit()
+    groups = build_optimizer(config(name, layer_decay=0.75, weight_decay=0.05), model).param_groups
+    # timm's optimizer factory also passes model.no_weight_decay() (pos_embed, cls_token);
+    # those stay decayed here, as they are without layer decay.
+    theirs = param_groups_layer_decay(model, weight_decay=0.05, layer_decay=0.75)
+    assert [(g["lr_scale"], effective_decay(g), [id(p) for p in g["params"]]) for g in groups] == [
+        (g["lr_scale"], g["weight_decay"], [id(p) for p in g["params"]]) for g in theirs
+    ]
+    names = {id(p): name for name, p in model.named_parameters()}
+    scale_of = {names[id(p)]: group["lr_scale"] for group in groups for p in group["params"]}
+    assert scale_of["head.weight"] == scale_of["head.bias"] == 1.0
+    assert scale_of["patch_embed.proj.weight"] == scale_of["pos_embed"] == 0.75**3
+    # timm's group_matcher puts the final norm with the last block.
+    assert scale_of["blocks.1.mlp.fc2.weight"] == scale_of["norm.weight"] == 0.75
+    if name in ("lars", "lamb"):
+        assert all(g["exclude_from_adaptation"] == (effective_decay(g) == 0) for g in groups)
+
+
+class FakeFsdpV2(nn.Module):
+    """SpmdFullyShardedDataParallel's naming: the wrapped module is its _orig_module."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._orig_module = module
+
+
+def test_layer_groups_are_the_same_under_spmd_fsdp_wrappers():
+    model = tiny_vit()
+
+    def layout(module: nn.Module) -> list:
+        groups = build_optimizer(config("lamb", layer_decay=0.75), module).param_groups
+        return [(g["lr_scale"], g["exclude_from_adaptation"], [id(p) for p in g["params"]]) for g in groups]
+
+    plain = layout(model)
+    model.blocks[0] = FakeFsdpV2(model.blocks[0])  # a nested unit, as fsdp_wrap_min_params makes
+    assert layout(FakeFsdpV2(model)) == plain
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lars", "lamb"])
+def test_each_group_gets_the_schedules_lr_times_its_scale(name):
+    cfg = config(name, layer_decay=0.5, warmup_epochs=0.2)
+    cfg.epochs = 1
+    schedule = make_schedule(cfg, steps_per_epoch=10, devices=1)  # 2 warmup steps, then 8 of cosine
+    optimizer = build_optimizer(cfg, tiny_vit())
+    assert sorted({g["lr_scale"] for g in optimizer.param_groups}) == [0.125, 0.25, 0.5, 1.0]
+    for step, factor in ((1, 1.0), (6, 0.5)):  # the warmup's end; halfway through the cosine
+        set_learning_rate(optimizer, schedule(step))
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(cfg.optim.lr * factor * group["lr_scale"], rel=1e-12)
+
+
+def train_vit(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int, steps: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        set_learning_rate(optimizer, 0.01 * (step + 1))
+        optimizer.zero_grad()
+        images, labels = (
+            torch.randn(2, 3, 32, 32, generator=generator),
+            torch.randint(0, 10, (2,), generator=generator),
+        )
+        nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+
+def test_adamw_with_layer_decay_steps_as_torchs_adamw_over_timms_groups():
+    """The weight decay moved into a pre-hook (decay_from_step_values) changes no bit."""
+    from timm.optim import param_groups_layer_decay
+
+    ours, reference = tiny_vit(), tiny_vit()
+    optimizer = build_optimizer(config("adamw", layer_decay=0.75, weight_decay=0.05), ours)
+    groups = param_groups_layer_decay(reference, weight_decay=0.05, layer_decay=0.75)
+    train_vit(ours, optimizer, seed=1, steps=3)
+    train_vit(reference, torch.optim.AdamW(groups, lr=0.01), seed=1, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), reference.parameters(), strict=True))
+
+
+def make_vit(cfg: TrainConfig, state: tuple[dict, dict] | None = None):
+    model = tiny_vit()
+    if state is not None:
+        model.load_state_dict(state[0])
+    optimizer = build_optimizer(cfg, model)
+    prime_optimizer_state(optimizer)
+    if state is not None:
+        optimizer.load_state_dict(copy.deepcopy(state[1]))
+    return model, optimizer
+
+
+def test_layer_decay_state_resumes_bitwise_and_other_groups_start_fresh(caplog):
+    cfg = config("adamw", layer_decay=0.75)
+    model, optimizer = make_vit(cfg)
+    train_vit(model, optimizer, seed=1, steps=2)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    train_vit(model, optimizer, seed=2, steps=1)
+    resumed = make_vit(cfg, saved)
+    train_vit(*resumed, seed=2, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed[0].parameters(), strict=True))
+
+    # resume=force under another layer_decay: the same groups, this run's scales.
+    other = make_vit(config("adamw", layer_decay=0.5), saved)[1]
+    assert sorted({g["lr_scale"] for g in other.param_groups}) == [0.125, 0.25, 0.5, 1.0]
+    assert any(state["exp_avg"].abs().sum() > 0 for state in other.state.values())
+    # Without layer decay: two groups, not the checkpoint's eight; fresh state and a warning.
+    plain = make_vit(config("adamw"), saved)[1]
+    assert len(plain.param_groups) == 2 and "starts fresh" in caplog.text
+    assert all(state["exp_avg"].abs().sum() == 0 for state in plain.state.values())
+
+
+def test_layer_decay_is_off_at_0_and_1_and_needs_layer_groups():
+    assert (
+        not OptimConfig(layer_decay=0.0).layer_decay_on()
+        and not OptimConfig(layer_decay=1.0).layer_decay_on()
+    )
+    OptimConfig(layer_decay=1.0).check()
+    with pytest.raises(ConfigError, match="optim.layer_decay needs a model with layer groups"):
+        build_optimizer(config("sgd", layer_decay=0.75), small_model())
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], r"optim.layer_decay needs a model with layer groups .*, and model=small_cnn has none"),
+        (["model=torchvision"], "and model=torchvision resnet18 has none"),
+        (["model=timm", "model.name=vit_tiny_patch16_224", "strategy=fsdp"], "strategy=fsdp's shards lose"),
+    ],
+)
+def test_layer_decay_refusals_come_before_spawning(compose_config, digits_root, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        prepare(
+            compose_config(f"data.root={digits_root}", "resume=null", "optim.layer_decay=0.75", *overrides)
+        )
+
+
+def test_a_timm_vit_with_layer_decay_prepares_under_spmd_fsdp(compose_config, digits_root):
+    vit = ("model.name=vit_tiny_patch16_224", "+model.options.img_size=32", "+model.options.patch_size=4")
+    overrides = ("strategy=spmd_fsdp", "accelerator.num_devices=2", "optim.layer_decay=0.75")
+    plan = prepare(compose_config(f"data.root={digits_root}", "resume=null", "model=timm", *vit, *overrides))
+    assert plan.cfg.optim.layer_decay == 0.75
+
+
+def test_layer_decay_default_keeps_older_run_folders_comparable():
+    from tpustream.checkpoint import config_differences, schema_defaults
+
+    before = {"optim": {"lr": 0.1}}  # a run made before optim.layer_decay existed
+    assert (
+        config_differences(before, {"optim": {"lr": 0.1, "layer_decay": 0.0}}, defaults=schema_defaults())
+        == []
+    )
+    now = {"optim": {"lr": 0.1, "layer_decay": 0.75}}
+    assert config_differences(before, now, defaults=schema_defaults()) == [
+        "optim.layer_decay: (unset) -> 0.75"
+    ]
+    changed = {"optim": {"lr": 0.1, "layer_decay": 0.65}}
+    assert config_differences(now, changed, defaults=schema_defaults()) == ["optim.layer_decay: 0.75 -> 0.65"]
+
+
+XLA_LAYER_DECAY_SCRIPT = """
+import sys
+import torch, torch_xla, torch_xla.debug.metrics as met
+from tests.test_optimizers import config, tiny_vit
+from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state, set_learning_rate
+
+for name in sys.argv[1:]:
+    model = tiny_vit().to(torch_xla.device())
+    cfg = config(name, layer_decay=0.75, warmup_epochs=0.4, clip_grad_norm=1.0)
+    cfg.optim.lr, cfg.epochs = 1e-3, 1
+    optimizer = build_optimizer(cfg, model)
+    prime_optimizer_state(optimizer)
+    schedule = make_schedule(cfg, steps_per_epoch=5, devices=1)  # 2 warmup steps, then cosine
+    images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    met.clear_all()
+    for step in range(5):
+        set_learning_rate(optimizer, schedule(step))
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(images.to("xla")), labels.to("xla")).backward()
+        optimizer.step()
+        torch_xla.sync()
+    print(name, met.metric_data("CompileTime")[0], met.counter_value("aten::_local_scalar_dense"))
+"""
+
+
+@pytest.mark.slow
+def test_a_vit_with_layer_decay_compiles_its_step_once_on_xla():
+    """Eight groups, five learning rates each: with the lrs as Python scalars, their float32
+    values met (1 - lr x decay near 1; lr = 1e-3 = 1 - beta2) at some steps only, and AdamW
+    compiled 3 graphs, LAMB 2 (LARS shares LAMB's path, SGD compiled 1)."""
+    assert run_on_xla(XLA_LAYER_DECAY_SCRIPT, "adamw", "lamb").split("\n")[:2] == [
+        "adamw 1 None",
+        "lamb 1 None",
+    ]
+
+
+def test_adamw_steps_as_torchs_and_resumes_a_checkpoint_written_before_its_decay_was_hooked():
+    """AdamW's decay is always a pre-hook (the end of a cosine made 1 - lr x wd a float32 1.0,
+    a constant: one compilation more); torch's own AdamW state dict still loads and steps alike."""
+    ours, reference = tiny_vit(), tiny_vit()
+    optimizer = build_optimizer(config("adamw", weight_decay=0.05), ours)
+    plain = torch.optim.AdamW(
+        [
+            {"params": [p for p in reference.parameters() if p.ndim > 1], "weight_decay": 0.05},
+            {"params": [p for p in reference.parameters() if p.ndim <= 1], "weight_decay": 0.0},
+        ],
+        lr=0.01,
+    )
+    train_vit(ours, optimizer, seed=1, steps=2)
+    train_vit(reference, plain, seed=1, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), reference.parameters(), strict=True))
+    # A checkpoint of torch's plain AdamW (as last.pt held before): this run's hooked decay stays.
+    optimizer.load_state_dict(copy.deepcopy(plain.state_dict()))
+    assert [(g["weight_decay"], g["hooked_weight_decay"]) for g in optimizer.param_groups] == [
+        (0, 0.05),
+        (0, 0),
+    ]
+    train_vit(ours, optimizer, seed=2, steps=1)
+    train_vit(reference, plain, seed=2, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), reference.parameters(), strict=True))

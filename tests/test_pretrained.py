@@ -63,8 +63,6 @@ def test_weights_of_another_architecture_are_one_line_naming_the_tensors(
         ConfigError, match=r"holds weights of another architecture: .* not in the model \(first"
     ):
         run("model.name=resnet10t", f"model.pretrained={path}")
-    with pytest.raises(ConfigError, match=r"model.pretrained=[Tt]rue: give the weights' file"):
-        run("model.name=resnet18", "model.pretrained=true")
     with pytest.raises(ConfigError, match=r"model.pretrained: .*missing.safetensors: No such file"):
         run("model.name=resnet18", f"model.pretrained={tmp_path}/missing.safetensors")
 
@@ -94,3 +92,191 @@ def test_fine_tuning_from_a_timm_file_trains_on_xla(digits_root, tmp_path, timm_
     output = result.stdout + result.stderr
     assert "the head (fc.bias, fc.weight) holds another number of classes" in output
     assert read_metrics(run)[0]["val_samples"] == 359
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty, offline Hugging Face cache; put(repo_id, state) adds a model.safetensors as a download would.
+
+    huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE into its constants
+    when imported, and hf_hub_download looks them up there on every call.
+    """
+    import huggingface_hub.constants
+    from safetensors.torch import save_file
+
+    cache = tmp_path / "hf" / "hub"
+    for name, value in {
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def put(repo_id: str, state: dict[str, torch.Tensor]) -> None:
+        # The hub's layout (huggingface_hub/file_download.py): refs/main holds
+        # the commit of the branch, snapshots/<commit>/ the files.
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(commit)
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        save_file(state, str(repo / "snapshots" / commit / "model.safetensors"))
+
+    return put
+
+
+def test_timm_weights_are_loaded_by_timm_once_per_host_from_its_cache(
+    compose_config, digits_root, timm_imagenet_resnet18, hub_cache, caplog
+):
+    from timm.models import get_pretrained_cfg
+
+    _, state = timm_imagenet_resnet18
+    hub_cache(get_pretrained_cfg("resnet18.a1_in1k").hf_hub_id, state)
+    overrides = ("resume=null", "model=timm", "model.name=resnet18.a1_in1k", "model.pretrained=true")
+    with caplog.at_level(logging.INFO, logger="tpustream.models.pretrained"):
+        # data.channels=1: timm's own loading adapts the 3-channel stem (sums it over the channels).
+        plan = prepare(
+            compose_config(
+                f"data.root={digits_root}",
+                "data.channels=1",
+                "data.mean=[0.5]",
+                "data.std=[0.25]",
+                *overrides,
+            )
+        )
+    local, replaced = plan.pretrained
+    assert replaced == ["fc.bias", "fc.weight"]
+    assert (
+        "model.pretrained=true (timm resnet18.a1_in1k: timm/resnet18.a1_in1k on the Hugging Face hub): "
+        f"{len(state) - 2} tensors loaded; the head (fc.bias, fc.weight) holds another number of classes"
+        in caplog.text
+    )
+    # What a replica does: build the model without weights and load the host's copy.
+    model = create_model("resnet18.a1_in1k", num_classes=10, image_size=32, channels=1, library="timm")
+    fresh_head = model.fc.weight.clone()
+    load_pretrained(model, local, replaced)
+    assert torch.allclose(model.conv1.weight, state["conv1.weight"].sum(dim=1, keepdim=True))
+    assert torch.equal(model.layer4[1].bn2.running_var, state["layer4.1.bn2.running_var"])
+    assert model.fc.weight.shape == (10, 512) and torch.equal(model.fc.weight, fresh_head)
+    os.remove(local)
+
+
+def test_timm_resizes_a_vits_position_embedding_and_patches_for_another_image_size(
+    compose_config, digits_root, hub_cache
+):
+    import timm
+
+    name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    torch.manual_seed(3)
+    state = timm.create_model(name).state_dict()  # 224 px, 16 px patches, 1000 classes
+    hub_cache(f"timm/{name}", state)
+    options = ("+model.options.img_size=32", "+model.options.patch_size=4")
+    overrides = ("resume=null", "model=timm", f"model.name={name}", "model.pretrained=true", *options)
+    local, replaced = prepare(compose_config(f"data.root={digits_root}", *overrides)).pretrained
+    assert replaced == ["head.bias", "head.weight"]
+    model = create_model(
+        name, num_classes=10, image_size=32, channels=3, library="timm", img_size=32, patch_size=4
+    )
+    load_pretrained(model, local, replaced)
+    assert model.pos_embed.shape == (1, 65, 192) and state["pos_embed"].shape == (1, 197, 192)
+    assert model.patch_embed.proj.weight.shape == (192, 3, 4, 4)
+    assert torch.equal(model.pos_embed[0, 0], state["pos_embed"][0, 0])  # the class token's is kept
+    assert torch.equal(model.blocks[3].attn.qkv.weight, state["blocks.3.attn.qkv.weight"])
+    os.remove(local)
+
+
+def test_library_weights_that_are_missing_or_absent_are_one_line_before_spawning(
+    compose_config, digits_root, hub_cache
+):
+    def run(*overrides: str):
+        return prepare(compose_config(f"data.root={digits_root}", "resume=null", *overrides))
+
+    # Offline, and not in the cache: what to do, in one line.
+    with pytest.raises(ConfigError) as caught:
+        run("model=timm", "model.name=resnet10t.c3_in1k", "model.pretrained=true")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "model=timm model.name=resnet10t.c3_in1k model.pretrained=true: timm could not load its weights "
+        "(timm/resnet10t.c3_in1k on the Hugging Face hub): LocalEntryNotFoundError"
+    )
+    assert "HF_HUB_OFFLINE=1" in message and "model.pretrained=PATH" in message
+    with pytest.raises(ConfigError, match=r"model.name=botnet50ts_256 .*timm has no pretrained weights"):
+        run("model=timm", "model.name=botnet50ts_256", "model.pretrained=true")
+    with pytest.raises(
+        ConfigError, match=r"Invalid pretrained tag \(nope\) for resnet18; .*with weights: resnet18\."
+    ):
+        run("model=timm", "model.name=resnet18.nope", "model.pretrained=true")
+    with pytest.raises(
+        ConfigError, match=r"tpustream's built-in models have no pretrained weights; use model=timm"
+    ):
+        run("model=resnet18", "model.pretrained=true")
+    with pytest.raises(
+        ConfigError, match=r"model.pretrained=IMAGENET1K_V3: no such weights \(it has IMAGENET1K_V1"
+    ):
+        run("model=torchvision", "model.name=resnet18", "model.pretrained=IMAGENET1K_V3")
+    with pytest.raises(ConfigError, match=r"model.pretrained is empty"):
+        run("model=timm", "model.name=resnet18", "model.pretrained=''")
+    plan = run("model=timm", "model.name=resnet18", "model.pretrained=false")  # false: none
+    assert plan.pretrained is None and not plan.cfg.model.wants_pretrained()
+
+
+@pytest.fixture
+def torchvision_imagenet_resnet18(tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
+    """TORCH_HOME's hub cache holding ResNet18_Weights.IMAGENET1K_V1's file as torchvision writes it."""
+    import torchvision
+    from torchvision.models import ResNet18_Weights
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # torch.hub reads it on every call
+    torch.manual_seed(2)
+    state = torchvision.models.resnet18(num_classes=1000).state_dict()
+    checkpoints = tmp_path / "torch" / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    # torch.hub checks the hash in the file's name only as it downloads: a
+    # cached file is taken as it is, as this one is.
+    torch.save(state, checkpoints / os.path.basename(ResNet18_Weights.IMAGENET1K_V1.url))
+    return state
+
+
+@pytest.mark.parametrize("value", ["true", "IMAGENET1K_V1"])
+def test_torchvision_weights_come_from_the_torch_hub_cache(
+    compose_config, digits_root, torchvision_imagenet_resnet18, value, caplog
+):
+    state = torchvision_imagenet_resnet18
+    overrides = ("resume=null", "model=torchvision", "model.name=resnet18", f"model.pretrained={value}")
+    with caplog.at_level(logging.INFO, logger="tpustream.models.pretrained"):
+        plan = prepare(compose_config(f"data.root={digits_root}", *overrides))
+    local, replaced = plan.pretrained
+    assert replaced == ["fc.bias", "fc.weight"]
+    assert f"model.pretrained={value} (ResNet18_Weights.IMAGENET1K_V1): " in caplog.text
+    assert "the head (fc.bias, fc.weight) holds another number of classes" in caplog.text
+    model = create_model("resnet18", num_classes=10, image_size=32, channels=3, library="torchvision")
+    load_pretrained(model, local, replaced)
+    assert torch.equal(model.conv1.weight, state["conv1.weight"])
+    assert torch.equal(model.layer4[1].bn2.running_mean, state["layer4.1.bn2.running_mean"])
+    assert model.fc.weight.shape == (10, 512)
+    os.remove(local)
+
+
+def test_torchvision_weights_that_cannot_be_downloaded_are_one_line(
+    compose_config, digits_root, tmp_path, monkeypatch
+):
+    import urllib.error
+
+    def no_network(url, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    overrides = ("resume=null", "model=torchvision", "model.name=resnet18", "model.pretrained=true")
+    with pytest.raises(ConfigError) as caught:
+        prepare(compose_config(f"data.root={digits_root}", *overrides))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "model=torchvision model.name=resnet18 model.pretrained=true: torchvision could not load "
+        "ResNet18_Weights.IMAGENET1K_V1 (https://download.pytorch.org/models/resnet18-f37072fd.pth): URLError"
+    )
+    assert "TORCH_HOME/hub/checkpoints" in message and "model.pretrained=PATH" in message

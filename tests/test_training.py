@@ -210,7 +210,8 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_weights(digits_root, tmp_pa
 def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_path):
     # Units of 2,000+ parameters: the second and third conv stages get their own
     # (nested) FSDP unit, the rest stays in the root's.
-    fsdp = ("strategy=fsdp", "fsdp_wrap_min_params=2000")
+    # With a weight average: sharded as the parameters, consolidated as they are.
+    fsdp = ("strategy=fsdp", "fsdp_wrap_min_params=2000", "ema.decay=0.9")
     straight, stderr = quick_run(digits_root, tmp_path / "straight", *fsdp, "epochs=2")
     assert "FSDP units: 3" in stderr
     state = last_state(straight)
@@ -218,6 +219,9 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
     # The checkpoint holds the whole model, consolidated: it loads into the plain network.
     plain = create_model("small_cnn", num_classes=10, image_size=32, channels=3)
     plain.load_state_dict(state["model"])
+    plain.load_state_dict(state["ema"])
+    records = read_metrics(straight)
+    assert records[0]["compilations"] == records[1]["compilations"]  # the average: the same eval graph
 
     # Stopped inside epoch 1 and resumed: the same weights and optimizer state, bit for bit.
     interrupted = tmp_path / "interrupted"
@@ -231,6 +235,7 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
     got = last_state(resumed)
     for name, tensor in state["model"].items():
         assert torch.equal(got["model"][name], tensor), name
+        assert torch.equal(got["ema"][name], state["ema"][name]), name
     for mine, theirs in zip(
         got["optimizer"]["shards"][0]["state"].values(),
         state["optimizer"]["shards"][0]["state"].values(),
@@ -245,6 +250,7 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
         relaid,
         "strategy=fsdp",
         "fsdp_wrap_min_params=0",
+        "ema.decay=0.9",
         "epochs=2",
         f"debug.stop_at_step={SUBSET_STEPS + 6}",
     )

@@ -4,7 +4,8 @@ The YAML files in conf/ fill these dataclasses; Hydra checks every key and
 type against them when it composes the config, so a typo such as
 ``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
 
-``schema`` holds the dataclasses (each section checks its own fields),
+``schema`` holds the dataclasses (each section checks its own fields; the
+recipe's sections, model, optim and ema, are ``recipe``'s),
 ``choices`` the enums, ``environment`` the settings read from the environment.
 """
 
@@ -14,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 
 from tpustream.config.choices import (
     SPMD_STRATEGIES,
+    BestOf,
     Collectives,
     Device,
     IndexMode,
@@ -27,24 +29,25 @@ from tpustream.config.choices import (
     TrainCrop,
 )
 from tpustream.config.environment import positive_seconds
+from tpustream.config.recipe import EmaConfig, ModelConfig, OptimConfig
 from tpustream.config.schema import (
     AcceleratorConfig,
     CheckpointConfig,
     DataConfig,
     DebugConfig,
-    ModelConfig,
-    OptimConfig,
     TrainConfig,
 )
 
 __all__ = [
     "SPMD_STRATEGIES",
     "AcceleratorConfig",
+    "BestOf",
     "CheckpointConfig",
     "Collectives",
     "DataConfig",
     "DebugConfig",
     "Device",
+    "EmaConfig",
     "IndexMode",
     "LastBatch",
     "ModelConfig",

@@ -102,3 +102,10 @@ class Schedule(str, Enum):
     # linear warmup, then lr x (1 - progress) ** poly_power, not below
     # min_lr_ratio * lr (MLPerf ResNet-50's LARS schedule, power 2)
     poly = "poly"
+
+
+class BestOf(str, Enum):
+    """Which weights' validation accuracy best.pt and early stopping follow."""
+
+    raw = "raw"  # the weights the optimizer trains
+    ema = "ema"  # their exponential moving average (ema.decay > 0)

@@ -3,12 +3,12 @@
 The YAML files in conf/ fill these dataclasses; Hydra checks every key and
 type against them when it composes the config, so a typo such as
 ``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
-Checks across sections, the data and the machine are launch.checks'.
+The recipe's sections (model, optim, ema) are in ``recipe``. Checks across
+sections, the data and the machine are launch.checks'.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +19,12 @@ from tpustream.config.choices import (
     Device,
     IndexMode,
     LastBatch,
-    ModelLibrary,
     OnError,
-    OptimizerName,
     Precision,
-    Schedule,
     Strategy,
     TrainCrop,
 )
+from tpustream.config.recipe import EmaConfig, ModelConfig, OptimConfig
 from tpustream.errors import ConfigError
 
 
@@ -130,114 +128,6 @@ class DataConfig:
             )
         for path in self.stages:
             load_user_stage(path)
-
-
-@dataclass
-class ModelConfig:
-    """A model: its library, its name there, and the keyword options its constructor takes."""
-
-    # tpustream (built-in families), timm (model=timm) or torchvision (model=torchvision).
-    library: ModelLibrary = ModelLibrary.tpustream
-    name: str = MISSING
-    options: dict[str, Any] = field(default_factory=dict)
-    # Start a fresh run from the weights in this file (local path, gs:// or
-    # http(s)://; safetensors or torch; timm's, torchvision's or our key layout).
-    # A head of another class count starts freshly initialised. null = none.
-    pretrained: str | None = None
-
-    def check(self) -> None:
-        """The name exists in its library (close matches named if not); built-ins: their options bind.
-
-        Every model is also built and run on the meta device with the data's
-        shapes before spawning (launch.checks.check_data), which catches the
-        option values and input sizes a constructor refuses.
-        """
-        from tpustream.models import check_model_options
-
-        check_model_options(self.name, dict(self.options), ModelLibrary(self.library).value)
-        if self.pretrained is not None and str(self.pretrained).lower() in ("true", "false", ""):
-            raise ConfigError(
-                f"model.pretrained={self.pretrained}: give the weights' file (a path, gs:// or "
-                "http(s):// URL); the libraries' own weights are not downloaded at run time"
-            )
-
-
-@dataclass
-class OptimConfig:
-    name: OptimizerName = OptimizerName.sgd
-    # Peak learning rate: for the global batch (batch_size x replicas), or for
-    # reference_batch_size when that is set.
-    lr: float = 0.1
-    # Linear scaling rule (Goyal et al. 2017): the peak becomes
-    # lr x global batch / reference_batch_size, reached after the warmup. null = no scaling.
-    reference_batch_size: int | None = None
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-4
-    label_smoothing: float = 0.0
-    schedule: Schedule = Schedule.cosine
-    warmup_epochs: float = 1.0
-    min_lr_ratio: float = 0.0
-    # schedule=step: multiply the learning rate by decay_factor every
-    # decay_every_epochs, counted from the first step (warmup included).
-    decay_every_epochs: float = 30.0
-    decay_factor: float = 0.1
-    # schedule=poly: after the warmup, lr x (1 - progress) ** poly_power, not
-    # below min_lr_ratio x lr (2 in MLPerf ResNet-50's LARS recipe).
-    poly_power: float = 2.0
-    # Before every step, scale all gradients so that their global L2 norm (over
-    # every parameter, after the replicas' gradients are averaged) is at most
-    # this, on the device (torch.nn.utils.clip_grad_norm_'s rule); 0 = off.
-    clip_grad_norm: float = 0.0
-    # name=lars: the trust coefficient eta (You et al. 2017): each weight
-    # tensor's step is scaled by eta x |w| / (|g| + weight_decay x |w| + eps).
-    # Norm weights and biases get neither this nor weight decay.
-    lars_eta: float = 0.001
-    # name=adamw and lamb: the decay rates of Adam's first and second moments.
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    # Added to denominators: Adam's and LAMB's sqrt(second moment) (the LAMB
-    # paper uses 1e-6), LARS's trust-ratio denominator (MLPerf: 0).
-    eps: float = 1e-8
-
-    def check(self) -> None:
-        if not math.isfinite(self.lr) or self.lr <= 0:
-            raise ConfigError(f"optim.lr must be a positive number, got {self.lr}")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"optim.momentum must be in [0, 1), got {self.momentum}")
-        if self.warmup_epochs < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("optim.warmup_epochs must be >= 0 and optim.min_lr_ratio in [0, 1]")
-        if not self.decay_every_epochs > 0 or not 0 < self.decay_factor <= 1:
-            raise ConfigError(
-                f"optim.decay_every_epochs must be > 0 and optim.decay_factor in (0, 1], got "
-                f"{self.decay_every_epochs} and {self.decay_factor}"
-            )
-        if self.reference_batch_size is not None and self.reference_batch_size < 1:
-            raise ConfigError(
-                f"optim.reference_batch_size must be at least 1, got {self.reference_batch_size}"
-            )
-        self.check_large_batch_fields()
-
-    def check_large_batch_fields(self) -> None:
-        """The fields of the lars and lamb recipes: poly schedule, clipping, trust coefficient, Adam's."""
-        for name in ("poly_power", "lars_eta"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"optim.{name} must be a positive number, got {value}")
-        if not math.isfinite(self.clip_grad_norm) or self.clip_grad_norm < 0:
-            raise ConfigError(f"optim.clip_grad_norm must be >= 0 (0 = off), got {self.clip_grad_norm}")
-        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
-        if not math.isfinite(self.eps) or self.eps < 0:
-            raise ConfigError(f"optim.eps must be >= 0, got {self.eps}")
-        if self.eps == 0 and self.name in (OptimizerName.adamw, OptimizerName.lamb):
-            raise ConfigError(
-                f"optim.eps must be > 0 for optim.name={OptimizerName(self.name).value}: "
-                "it keeps sqrt(second moment) + eps from being 0"
-            )
 
 
 @dataclass
@@ -365,11 +255,14 @@ class TrainConfig:
     # Only evaluate the checkpoint that resume names (or finds) and report.
     eval_only: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def check(self) -> None:
         """Every section's own fields, then the top-level keys (cross-section rules: launch.checks)."""
-        for section in (self.data, self.model, self.optim, self.accelerator, self.checkpoint, self.debug):
+        for section in (self.data, self.model, self.optim, self.accelerator):
+            section.check()
+        for section in (self.checkpoint, self.ema, self.debug):
             section.check()
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {self.seed}")

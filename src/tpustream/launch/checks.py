@@ -236,6 +236,12 @@ def check_config(cfg: TrainConfig) -> None:
                 "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
                 "replica holds a different shard"
             )
+        if cfg.optim.layer_decay_on():
+            # Its flat shards are new parameters named per FSDP unit; spmd_fsdp keeps the model's.
+            raise ConfigError(
+                f"optim.layer_decay={cfg.optim.layer_decay} groups parameters by layer name, which "
+                "strategy=fsdp's shards lose; use strategy=spmd_fsdp, or optim.layer_decay=0"
+            )
 
 
 def replica_batch_size(cfg: TrainConfig, devices_per_replica: int) -> int:
@@ -286,6 +292,7 @@ def check_data(
         input_size=train.image_size,
         channels=train.channels,
         library=cfg.model.library,
+        layer_groups=cfg.optim.layer_decay_on(),
     )
     if world_size is not None and devices_per_replica is not None:
         share = train.num_samples // world_size

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from tpustream.checkpoint import find_resume, read_metrics
-from tpustream.config import Device, TrainConfig
+from tpustream.config import Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.errors import ConfigError
@@ -93,7 +93,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         finished = check_not_finished(typed, resume)
         del resume  # the checkpoint's tensors: each replica reads its own copy
     pretrained = None
-    if typed.model.pretrained and not typed.eval_only:
+    if typed.model.wants_pretrained() and not typed.eval_only:
         if resume_url is None:
             pretrained = fetch_model_pretrained(typed, train)
         else:
@@ -120,7 +120,7 @@ def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str,
     import torch
 
     from tpustream.models import create_model
-    from tpustream.models.pretrained import fetch_pretrained
+    from tpustream.models.pretrained import fetch_library_pretrained, fetch_pretrained, library_weights
 
     height, width = train.image_size
     with torch.device("meta"):
@@ -132,7 +132,19 @@ def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str,
             library=cfg.model.library,
             **cfg.model.options,
         )
-    return fetch_pretrained(model, cfg.model.pretrained)
+    library = ModelLibrary(cfg.model.library).value
+    weights = library_weights(library, cfg.model.name, cfg.model.pretrained)
+    if weights is None:
+        return fetch_pretrained(model, cfg.model.pretrained)
+    return fetch_library_pretrained(
+        model,
+        library,
+        cfg.model.name,
+        weights,
+        num_classes=train.num_classes,
+        channels=train.channels,
+        options=dict(cfg.model.options),
+    )
 
 
 def read_final_metrics(output_dir: str) -> dict[str, Any] | None:

@@ -76,17 +76,30 @@ def rebuild_arguments(model_cfg: dict, weights: dict[str, torch.Tensor], data_cf
     )
 
 
-def export_checkpoint(url: str, out: str) -> list[str]:
-    """Write the checkpoint's model to out (local or gs://); the names written."""
+def chosen_weights(state: dict, url: str, weights: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's raw weights or their average (ema); auto: the ones its run's best.pt followed."""
+    config = state.get("config") or {}
+    if weights == "auto":
+        weights = (config.get("ema") or {}).get("select_best", "raw")
+    if weights == "raw":
+        return state["model"]
+    if state.get("ema") is None:
+        raise ConfigError(f"{url} holds no weight average (its run had no ema.decay): export --weights raw")
+    return state["ema"]
+
+
+def export_checkpoint(url: str, out: str, weights: str = "auto") -> list[str]:
+    """Write the checkpoint's model (weights: raw, ema or auto) to out (local or gs://); the names written."""
     from safetensors.torch import save_file
 
     from tpustream.checkpoint import load_checkpoint
 
     state = load_checkpoint(url)
     config = state.get("config") or {}
-    model_cfg, weights = config.get("model"), state["model"]
+    model_cfg = config.get("model")
     if not model_cfg:
         raise ConfigError(f"{url}: the checkpoint holds no model config to rebuild the model from")
+    weights = chosen_weights(state, url, weights)
     arguments = rebuild_arguments(model_cfg, weights, config.get("data", {}))
     library, name, options = (
         model_cfg.get("library", "tpustream"),
@@ -119,7 +132,12 @@ def export_checkpoint(url: str, out: str) -> list[str]:
                 description.update(channels=arguments["channels"], image_size=arguments["image_size"])
             with open(f"{folder}/config.json", "w") as file:
                 json.dump(description, file, indent=2)
-        run = {"checkpoint": url, "epoch": state.get("epoch"), "best_accuracy": state.get("best_accuracy")}
+        run = {
+            "checkpoint": url,
+            "weights": "ema" if weights is state.get("ema") else "raw",
+            "epoch": state.get("epoch"),
+            "best_accuracy": state.get("best_accuracy"),
+        }
         with open(f"{folder}/tpustream.json", "w") as file:
             json.dump({**run, "config": config}, file, indent=2, default=str)
         names = sorted(os.listdir(folder))
@@ -136,12 +154,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--checkpoint", choices=("best", "last"), default="best", help="in a run folder (default best)"
     )
     parser.add_argument("--out", help="where to write (default: RUN/export)")
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "raw", "ema"),
+        default="auto",
+        help="the trained weights or their average (ema.decay); auto: what ema.select_best chose",
+    )
     args = parser.parse_args(argv)
     run = storage.absolute(args.run)
     url = run if run.endswith(".pt") else storage.join(run, "checkpoints", f"{args.checkpoint}.pt")
     out = storage.absolute(args.out) if args.out else storage.join(run, EXPORT_FOLDER)
     try:
-        names = export_checkpoint(url, out)
+        names = export_checkpoint(url, out, args.weights)
     except TpustreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
 ``num_classes`` and ``in_chans`` come from the data; ``model.options`` go to
 the model's constructor as timm passes them (``drop_path_rate``, and for
 ViT-style models made for 224 px, ``img_size`` and ``patch_size``).
-Pretrained weights are not loaded here: nothing is downloaded at run time.
+Pretrained weights are not loaded here: ``model.pretrained=true`` has timm
+fetch them once per host before spawning (models.pretrained).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch.nn as nn
 from tpustream.errors import ConfigError
 
 # Keys of model.options that timm.create_model takes itself, not the model:
-# pretrained weights come from the hub at run time, which a pod must not do
-# per replica (and this workplace cannot at all).
+# pretrained weights must not come from the hub in every replica (eight
+# downloads racing into one cache); model.pretrained fetches them once per host.
 REFUSED_OPTIONS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path")
 
 
@@ -31,8 +32,9 @@ def check_timm_name(name: str, options: dict) -> None:
     refused = [key for key in REFUSED_OPTIONS if key in options]
     if refused:
         raise ConfigError(
-            f"model.options.{refused[0]} for timm: tpustream builds timm models without downloading "
-            "weights (pretrained loading is not built yet)"
+            f"model.options.{refused[0]} for timm: each replica builds its timm model without downloading "
+            "weights; set model.pretrained=true (timm's weights for model.name, which may carry a tag, "
+            "fetched once per host) or model.pretrained=PATH to a file of weights"
         )
 
 

@@ -25,8 +25,9 @@ def check_torchvision_name(name: str, options: dict) -> None:
         raise ConfigError(f"model=torchvision model.name={name!r} is not a torchvision classifier{hint}")
     if "weights" in options:
         raise ConfigError(
-            "model.options.weights for torchvision: tpustream builds torchvision models without "
-            "downloading weights (pretrained loading is not built yet)"
+            "model.options.weights for torchvision: each replica builds its torchvision model without "
+            "downloading weights; set model.pretrained=true (the DEFAULT weights, fetched once per host), "
+            "a weights name (model.pretrained=IMAGENET1K_V2) or model.pretrained=PATH to a file of weights"
         )
 
 

@@ -72,6 +72,7 @@ def check_model_builds(
     input_size: tuple[int, int],
     channels: int,
     library: str = "tpustream",
+    layer_groups: bool = False,
 ) -> None:
     """Build the model and run it on the meta device with the data's shapes, or ConfigError.
 
@@ -79,10 +80,12 @@ def check_model_builds(
     families check their option values; anything else a constructor or the
     forward pass raises (an option a timm model does not take, a ViT made for
     224 px fed 32 px) is one line here instead of a traceback in every replica.
+    layer_groups: the model must also have timm's group_matcher (optim.layer_decay).
     """
     import torch
 
     height, width = input_size
+    library = getattr(library, "value", library)  # config.ModelLibrary: its value in messages
     where = f"model={library} {name}" if library != "tpustream" else f"model={name}"
     try:
         with torch.device("meta"):
@@ -108,6 +111,11 @@ def check_model_builds(
             f"{where} with model.options {options} on {channels}x{height}x{width} images: "
             f"{exc.__class__.__name__}: {message}{hint}"
         ) from None
+    if layer_groups and not hasattr(model, "group_matcher"):
+        raise ConfigError(
+            f"optim.layer_decay needs a model with layer groups (timm's group_matcher), and {where} has "
+            "none: use model=timm with a ViT, DeiT, ConvNeXt, ... or optim.layer_decay=0"
+        )
     if tuple(out.shape) != (2, num_classes):
         raise ConfigError(
             f"{where} gives outputs of shape {tuple(out.shape)[1:]} per image, not the {num_classes} class "

@@ -48,13 +48,15 @@ class Evaluator:
         autocast: Callable[[], contextlib.AbstractContextManager],
         stop: Callable[[int], bool],
         first: bool,
+        name: str = "model",
     ) -> dict[str, Any] | None:
         """The split's metrics; None if stop(index) said to stop after batch `index` (every replica alike).
 
         Padded places weigh zero (their "real" flag is 0), so every sample
         counts once whatever the world size. `first`: this process evaluates
-        for the first time (its graph compiles). Top-5 with fewer than 5
-        classes is top-(number of classes), so 100%.
+        for the first time (its graph compiles). `name`: which weights (the
+        model, or its average), for the collective's tag. Top-5 with fewer
+        than 5 classes is top-(number of classes), so 100%.
         """
         model.eval()
         self.loader.set_epoch(epoch)
@@ -81,7 +83,7 @@ class Evaluator:
         self.loader.raise_if_incomplete("validation")
         counts, loss_sum = self.runtime.all_reduce_sum([counts, loss_sum])
         per_replica = self.runtime.all_gather_host(
-            f"eval-epoch-{epoch}", (self.loader.filled, self.loader.bad_shards)
+            f"eval-{name}-epoch-{epoch}", (self.loader.filled, self.loader.bad_shards)
         )
         filled = sum(replica_filled for replica_filled, _ in per_replica)
         self.bad_shards = first_distinct(url for _, urls in per_replica for url in urls)

@@ -24,7 +24,7 @@ class FsdpTrainer(Trainer):
     every replica's optimizer shard, used when resuming at the same world size.
     """
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
         from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
@@ -34,7 +34,7 @@ class FsdpTrainer(Trainer):
         # original size, so build_optimizer can still leave norms and biases
         # out of weight decay.
         wrapped = XlaFullyShardedDataParallel(model, flatten_parameters=False, auto_wrap_policy=policy)
-        if self.runtime.is_master:
+        if self.runtime.is_master and announce:
             units = sum(isinstance(m, XlaFullyShardedDataParallel) for m in wrapped.modules())
             log.info(
                 "strategy=fsdp: FSDP units: %d (submodules of %d+ parameters, and the rest), "
@@ -66,6 +66,15 @@ class FsdpTrainer(Trainer):
             "shards": [s["optimizer"] for s in shards],
         }
         return dict(model), optimizer
+
+    def whole_state(self, module: nn.Module, tag: str) -> Any:
+        """A wrapped module's shards, consolidated on the master (None elsewhere)."""
+        from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+
+        shards = self.runtime.gather_state_to_master(f"fsdp-{tag}", module.state_dict())
+        if shards is None:  # not the master
+            return None
+        return dict(consolidate_sharded_state_dicts(shards, module.get_shard_metadata()))
 
     def shard_layout(self) -> list[str]:
         """The sharded parameters in optimizer order: optimizer shards fit only the same layout."""

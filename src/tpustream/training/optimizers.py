@@ -48,6 +48,21 @@ def trust_ratio(
     return torch.where(torch.logical_and(w_norm > 0, g_norm > 0), numerator / denominator, 1.0)
 
 
+def step_values(values: list[float], device: torch.device) -> torch.Tensor:
+    """Numbers that change every step (learning rates) as one float32 vector of data on `device`.
+
+    torch_xla feeds a Python scalar, or a 0-dim tensor copied from the host,
+    through a cache keyed by its value, and equal values become one input of
+    the graph: per-group learning rates (optim.layer_decay) that meet each
+    other or a constant (eta, 1 - beta2) in float32 at some steps and not at
+    others made other graphs, one compilation each (measured on the XLA CPU
+    device: 2 and 3 compilations in 5 steps of a ViT). A vector copied from
+    the host is plain data and its elements are views: one graph whatever
+    the values.
+    """
+    return torch.tensor(values, dtype=torch.float32).to(device)
+
+
 def bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
     """1 - beta ** count on the device, as -expm1(count x log beta).
 
@@ -69,6 +84,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def initial_state(self, param: torch.Tensor, group: dict, zeros: Zeros) -> dict[str, torch.Tensor]:
         """The state a parameter starts with, its tensors made by ``zeros``."""
         raise NotImplementedError
+
+    def learning_rates(self) -> list[torch.Tensor]:
+        """Each group's lr for this step, as data on the device (step_values)."""
+        device = next((p.device for group in self.param_groups for p in group["params"]), None)
+        return list(step_values([group["lr"] for group in self.param_groups], device).unbind())
 
     def state_of(self, param: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
         state = self.state[param]
@@ -123,11 +143,11 @@ class LARS(LayerwiseOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group, lr in zip(self.param_groups, self.learning_rates(), strict=True):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+            momentum, decay = group["momentum"], group["weight_decay"]
             if group["exclude_from_adaptation"]:
                 rates = [lr] * len(params)
             else:
@@ -193,7 +213,7 @@ class LAMB(LayerwiseOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group, lr in zip(self.param_groups, self.learning_rates(), strict=True):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
@@ -211,11 +231,11 @@ class LAMB(LayerwiseOptimizer):
                     update.add_(param, alpha=group["weight_decay"])
                 updates.append(update)
             if group["exclude_from_adaptation"]:
-                rates = [group["lr"]] * len(params)
+                rates = [lr] * len(params)
             else:
                 squares = squared_norms([*params, *updates], self.sum_over_shards)
                 w_norms, u_norms = squares.sqrt().split(len(params))
-                rates = list((group["lr"] * trust_ratio(w_norms, u_norms, w_norms, u_norms)).unbind())
+                rates = list((lr * trust_ratio(w_norms, u_norms, w_norms, u_norms)).unbind())
             for param, update, rate in zip(params, updates, rates, strict=True):
                 param.sub_(update.mul_(rate))
         return loss

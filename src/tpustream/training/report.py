@@ -35,7 +35,7 @@ class EpochRecord:
     Sums and counts are over all replicas; *_seconds and wall_time are the
     reporting replica's. Fields left None are absent from the line: val_* in
     epochs without evaluation, setup_seconds after a process's first epoch,
-    epoch_seconds and val_top5* in lines written before they existed.
+    epoch_seconds and val_top5* in lines written before they existed, ema_* without ema.decay.
     """
 
     epoch: int
@@ -56,6 +56,11 @@ class EpochRecord:
     val_loss: float | None = None
     val_seconds: float | None = None
     val_filled: int | None = None
+    # ema.decay: the weight average's evaluation on the same split.
+    ema_val_accuracy: float | None = None
+    ema_val_correct: int | None = None
+    ema_val_top5: float | None = None
+    ema_val_loss: float | None = None
     compilations: int  # graphs compiled in the process so far
     epoch_seconds: float | None = None  # training plus evaluation
     setup_seconds: float | None = None  # process start to its first loop
@@ -165,6 +170,15 @@ class EpochReporter:
             100 * metrics["val_top5"],
             metrics["val_loss"],
         )
+        if "ema_val_accuracy" in metrics:
+            log.info(
+                "its weight average (ema): accuracy=%.2f%% (%d/%d) top5=%.2f%% loss=%.4f",
+                100 * metrics["ema_val_accuracy"],
+                metrics["ema_val_correct"],
+                metrics["val_samples"],
+                100 * metrics["ema_val_top5"],
+                metrics["ema_val_loss"],
+            )
 
     def open(self, global_step: int) -> None:
         """Start the TensorBoard log (master only, with cfg.tensorboard)."""
@@ -215,10 +229,17 @@ class EpochReporter:
             f"GlobalRate={record.global_rate:.1f} time={record.train_seconds:.1f}s"
         )
         top5 = f" top5={100 * record.val_top5:.2f}%" if record.val_top5 is not None else ""
+        ema = (
+            f" ema: accuracy={100 * record.ema_val_accuracy:.2f}% top5={100 * record.ema_val_top5:.2f}%"
+            f" loss={record.ema_val_loss:.4f} |"
+            if record.ema_val_accuracy is not None
+            else ""
+        )
         val = (
             f"val: accuracy={100 * record.val_accuracy:.2f}% ({record.val_correct}/"
-            f"{record.val_samples}){top5} loss={record.val_loss:.4f} skipped={record.val_filled} | "
-            f"best={100 * best_accuracy:.2f}% (epoch {best_epoch})"
+            f"{record.val_samples}){top5} loss={record.val_loss:.4f} skipped={record.val_filled} |{ema} "
+            f"best{'' if self.cfg.ema.select_best == 'raw' else ' ema'}={100 * best_accuracy:.2f}% "
+            f"(epoch {best_epoch})"
             if record.evaluated
             else "val: not this epoch (eval_every)"
         )
@@ -236,6 +257,14 @@ class EpochReporter:
             values.update({"epoch/val_accuracy": record.val_accuracy, "epoch/val_loss": record.val_loss})
         if record.val_top5 is not None:
             values["epoch/val_top5"] = record.val_top5
+        if record.ema_val_accuracy is not None:
+            values.update(
+                {
+                    "epoch/ema_val_accuracy": record.ema_val_accuracy,
+                    "epoch/ema_val_top5": record.ema_val_top5,
+                    "epoch/ema_val_loss": record.ema_val_loss,
+                }
+            )
         self.tensorboard.scalars(global_step, values)
         self.tensorboard.sync()
 

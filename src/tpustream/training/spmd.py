@@ -77,7 +77,7 @@ class SpmdTrainer(Trainer):
         # The step's batch is global; this host loaded its share of it.
         return batch["label"].shape[0] // self.runtime.world_size
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
         self.runtime.replicate([*model.parameters(), *model.buffers()])
         self._states_placed = False
         return model
@@ -122,20 +122,23 @@ class SpmdTrainer(Trainer):
         return {**super().data_plan(), "batch_size": self.cfg.batch_size * self.runtime.local_devices}
 
     def model_and_optimizer_state(self) -> tuple[Any, Any]:
-        model = {name.replace(WRAPPER_PREFIX, ""): value for name, value in self.model.state_dict().items()}
-        return model, self.optimizer.state_dict()
+        return self.whole_state(self.model, "model"), self.optimizer.state_dict()
+
+    def whole_state(self, module: nn.Module, tag: str) -> Any:
+        # Sharded tensors come back whole when copied to the host.
+        return {name.replace(WRAPPER_PREFIX, ""): value for name, value in module.state_dict().items()}
 
 
 class SpmdFsdpTrainer(SpmdTrainer):
     """strategy=spmd_fsdp: parameters, gradients and optimizer state sharded along the mesh (FSDPv2)."""
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
         minimum = self.cfg.fsdp_wrap_min_params
         # BatchNorm's statistics stay whole on every device (FSDPv2 shards parameters only).
         self.runtime.replicate(model.buffers())
         wrapped = shard_model(model, self.runtime.mesh, minimum)
         self._states_placed = False
-        if self.runtime.is_master:
+        if self.runtime.is_master and announce:
             log.info(
                 "strategy=spmd_fsdp: FSDP units: %d (submodules of %d+ parameters, and the rest), "
                 "parameters sharded over %d device(s): %.1f MB of %.1f MB on each",

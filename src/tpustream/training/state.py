@@ -55,6 +55,8 @@ class TrainState:
     rng: dict[str, Any] | None = None
     data_plan: dict[str, int] | None = None
     model: Any = None
+    # ema.decay: the weight average, under the model's keys (None without one).
+    ema: Any = None
     optimizer: Any = None
     strategy: str | None = None
     config: dict[str, Any] | None = None
@@ -66,6 +68,7 @@ class TrainState:
         model: Any,
         optimizer: Any,
         strategy: str,
+        ema: Any = None,
         rng: dict[str, Any],
         data_plan: dict[str, int],
         config: dict[str, Any],
@@ -81,6 +84,8 @@ class TrainState:
             "best_epoch": self.best_epoch,
             "history": self.history,
             "model": model,
+            # Only with ema.decay: a run without stays in the format it had before.
+            **({} if ema is None else {"ema": ema}),
             "optimizer": optimizer,
             "strategy": strategy,
             "rng": rng,
@@ -104,6 +109,7 @@ class TrainState:
             rng=state["rng"],
             data_plan=state["data_plan"],
             model=state.get("model"),
+            ema=state.get("ema"),
             optimizer=state.get("optimizer"),
             # Written since strategy=fsdp exists; the ones before were all ddp.
             strategy=state.get("strategy"),

@@ -12,6 +12,7 @@ variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Iterator
@@ -22,13 +23,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpustream import checkpoint, preemption
-from tpustream.config import Precision, Strategy, TrainConfig
+from tpustream.config import BestOf, Precision, Strategy, TrainConfig
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
+from tpustream.training.ema import WeightAverage
 from tpustream.training.epoch_checks import check_epoch, first_distinct
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
-from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state
+from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state, set_learning_rate
 from tpustream.training.periodic import itstime
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
 from tpustream.training.source import EpochSource
@@ -92,6 +94,7 @@ class Trainer:
             # resumed FSDP run drift from the uninterrupted one from its second
             # step on (torch_xla 2.9, seen here).
             model.load_state_dict(resume_from[0]["model"])
+        average = self.average_on_host(model, resume_from)
         model = model.to(runtime.device)
         runtime.broadcast_parameters(model)  # every replica starts from the master's weights
         self.model = self.wrap_model(model)
@@ -114,10 +117,19 @@ class Trainer:
         self._ran_once: set[str] = set()
         if resume_from is not None:
             self.restore(*resume_from)
+        self.ema: WeightAverage | None = None
+        if average is not None:
+            average = average.to(runtime.device)
+            runtime.broadcast_parameters(average)
+            average = self.wrap_model(average, announce=False)
+            self.ema = WeightAverage(cfg.ema, average, runtime, self.global_step)
 
     # -- hooks: the strategy -------------------------------------------------
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """The module the optimizer and the steps use (data parallel: the model itself)."""
+    def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
+        """The module the optimizer and the steps use (data parallel: the model itself).
+
+        Also wraps the weight average's copy of the model (announce=False: no log line).
+        """
         return model
 
     def run_optimizer(self) -> None:
@@ -126,6 +138,22 @@ class Trainer:
     def model_and_optimizer_state(self) -> tuple[Any, Any]:
         """(the whole model's state_dict, the optimizer's); a collective for sharded strategies."""
         return self.model.state_dict(), self.optimizer.state_dict()
+
+    def whole_state(self, module: nn.Module, tag: str) -> Any:
+        """A module wrapped by wrap_model as the plain model's state_dict (a collective when sharded)."""
+        return module.state_dict()
+
+    def average_on_host(self, model: nn.Module, resume_from: ResumeFrom | None) -> nn.Module | None:
+        """ema.decay: the model's copy that starts the average (the checkpoint's average if it has one)."""
+        if self.cfg.ema.decay == 0:
+            return None
+        average = copy.deepcopy(model)
+        saved = resume_from[0].get("ema") if resume_from is not None else None
+        if saved is not None:
+            average.load_state_dict(saved)
+        elif resume_from is not None and self.runtime.is_master:
+            log.info("%s holds no weight average: ema starts from its weights", resume_from[1])
+        return average
 
     def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
         written_by, mine = state.get("strategy", Strategy.ddp.value), self.cfg.strategy.value
@@ -154,8 +182,10 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """What last.pt and best.pt hold now (a collective for sharded strategies)."""
         model_state, optimizer_state = self.model_and_optimizer_state()
+        ema = None if self.ema is None else self.whole_state(self.ema.module, f"ema-{self.global_step}")
         return self.train_state.to_checkpoint(
             model=model_state,
+            ema=ema,
             optimizer=optimizer_state,
             strategy=self.cfg.strategy.value,
             rng=capture_rng(self.runtime),
@@ -219,9 +249,7 @@ class Trainer:
             yield {name: tensor.narrow(0, index * size, size) for name, tensor in batch.items()}
 
     def step_fn(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        lr = self.schedule(self.global_step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rate(self.optimizer, self.schedule(self.global_step))
         self.optimizer.zero_grad(set_to_none=True)
         # Gradients of the micro-batches add up in .grad; the Python loop is
         # unrolled into the step's one graph.
@@ -231,7 +259,13 @@ class Trainer:
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         self.run_optimizer()
+        self.after_optimizer_step()
         return total
+
+    def after_optimizer_step(self) -> None:
+        """Traced into the step after the update: the weight average follows the new weights."""
+        if self.ema is not None:
+            self.ema.update(self.model)
 
     # -- loops ------------------------------------------------------------
     def _stop_agreed(self) -> bool:
@@ -319,7 +353,9 @@ class Trainer:
         """
         if self.runtime.world_size == 1:
             return
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        # The average's too: each replica moved it towards its own statistics.
+        modules = [self.model] if self.ema is None else [self.model, self.ema.module]
+        buffers = [b for module in modules for b in module.buffers() if b.is_floating_point()]
         for buffer, total in zip(buffers, self.runtime.all_reduce_sum(buffers), strict=True):
             buffer.copy_(total / self.runtime.world_size)
 
@@ -341,6 +377,10 @@ class Trainer:
 
         first = self._first_time("evaluation")
         metrics = self.evaluator.run(self.model, epoch, self.autocast, stop, first)
+        if metrics is not None and self.ema is not None:
+            # The same graph as the model's (same structure, other values): nothing compiles.
+            averaged = self.evaluator.run(self.ema.module, epoch, self.autocast, stop, False, "ema")
+            metrics = None if averaged is None else {**metrics, **ema_metrics(averaged)}
         if metrics is None:
             # The epoch's training is saved with it; evaluation reruns on resume.
             self._save(checkpoint.LAST)
@@ -348,15 +388,19 @@ class Trainer:
         self.bad_shards["validation"] = self.evaluator.bad_shards
         return metrics
 
+    def selected_accuracy(self, metrics: dict[str, Any]) -> float:
+        """The accuracy best.pt and early stopping follow (ema.select_best)."""
+        return metrics["ema_val_accuracy" if self.cfg.ema.select_best == BestOf.ema else "val_accuracy"]
+
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Record the epoch; the master writes best.pt on improvement and last.pt always."""
         check_epoch(
             epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss, self.bad_shards
         )
         evaluated = "val_accuracy" in metrics
-        improved = evaluated and metrics["val_accuracy"] > self.best_accuracy
+        improved = evaluated and self.selected_accuracy(metrics) > self.best_accuracy
         if improved:
-            self.best_accuracy, self.best_epoch = metrics["val_accuracy"], epoch
+            self.best_accuracy, self.best_epoch = self.selected_accuracy(metrics), epoch
         first_end = self._first_time("epoch end")
         record = EpochRecord(
             epoch=epoch,
@@ -418,3 +462,8 @@ class Trainer:
             if patience and evaluated and epoch - self.best_epoch >= patience:
                 log.info("early stop: no better accuracy for %d epoch(s)", patience)
                 break
+
+
+def ema_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The average's evaluation under ema_ names (its time and bad data are the split's, reported once)."""
+    return {f"ema_{name}": metrics[name] for name in ("val_accuracy", "val_correct", "val_top5", "val_loss")}
