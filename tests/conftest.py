@@ -293,6 +293,11 @@ def fake_job(monkeypatch):
         def replica(runtime):
             def source(split: str, data, shuffle: bool) -> MemorySource:
                 stop = stop_at[2:] if stop_at and stop_at[:2] == (runtime.rank, split) else None
+                draws = None
+                if shuffle and cfg.augment.active():
+                    from tpustream.augment.draws import BatchDraws
+
+                    draws = BatchDraws(cfg.augment, (8, 8), 3, group=cfg.batch_size, seed=cfg.seed)
                 return MemorySource(
                     *data,
                     batch_size=cfg.batch_size,
@@ -301,6 +306,7 @@ def fake_job(monkeypatch):
                     shuffle=shuffle,
                     seed=cfg.seed,
                     stop_at_batch=stop,
+                    draws=draws,
                 )
 
             build = trainer_class or make_trainer

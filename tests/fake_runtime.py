@@ -221,8 +221,10 @@ class MemorySource:
         shuffle: bool,
         seed: int = 0,
         stop_at_batch: tuple[int, int] | None = None,
+        draws: Callable[[int, np.ndarray], dict[str, torch.Tensor]] | None = None,
     ):
         self.images, self.labels = images, labels
+        self.draws = draws  # augment.draws.BatchDraws: the device augmentation's, per batch
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.shuffle, self.seed = shuffle, seed
         self.stop_at_batch = stop_at_batch  # (epoch, batch index within it)
@@ -258,7 +260,10 @@ class MemorySource:
                 preemption.request_stop()
             self.sample_ids.append(ids[real].numpy())
             self.batches += 1
-            yield {"image": self.images[ids], "label": self.labels[ids], "real": real.float()}
+            batch = {"image": self.images[ids], "label": self.labels[ids], "real": real.float()}
+            if self.draws is not None:
+                batch.update(self.draws(self.epoch, ids.where(real, -1).numpy()))
+            yield batch
 
     def raise_if_incomplete(self, split: str) -> None:
         if self.batches != len(self):

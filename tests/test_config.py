@@ -155,3 +155,4 @@ def test_the_experiments_carry_their_sources_numbers(compose_config):
     assert (deit.optim.name, deit.optim.lr, deit.optim.reference_batch_size) == ("adamw", 1e-4, 512)
     assert (deit.optim.weight_decay, deit.optim.label_smoothing, deit.optim.warmup_epochs) == (0.05, 0.1, 5)
     assert (deit.ema.decay, deit.model.options["drop_path_rate"], deit.epochs) == (0.99996, 0.1, 300)
+    assert (deit.augment.mixup_alpha, deit.augment.cutmix_alpha, deit.augment.erase_prob) == (0.8, 1.0, 0.25)

@@ -146,7 +146,7 @@ def test_spmd_evaluates_exactly_compiles_once_and_resumes_bitwise(
 
 
 def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory):
-    """micro_batches=2, bf16 and ema too; the replica in a child process, the signal to the whole group.
+    """micro_batches=2, bf16, ema and augment too; the replica in a child process, the signal to the group.
 
     With the default log_steps and saves mid-epoch: a save that no logged
     loss had just waited for read shards still being computed and crashed
@@ -162,6 +162,10 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
         # The weight average, sharded as the parameters and evaluated by the same graph.
         "ema.decay=0.99",
         "ema.warmup=true",
+        # Augmentation on the device: pairs within each device's share of the global batch.
+        "augment.mixup_alpha=0.2",
+        "augment.mix_mode=pair",
+        "augment.erase_prob=0.25",
     )
     straight = train(tmp_path_factory, "fsdp2", digits_root, *options)
     records = read_metrics(straight)

@@ -18,8 +18,10 @@ from tpustream.config.choices import (
     BestOf,
     Collectives,
     Device,
+    EraseMode,
     IndexMode,
     LastBatch,
+    MixMode,
     ModelLibrary,
     OnError,
     OptimizerName,
@@ -29,7 +31,7 @@ from tpustream.config.choices import (
     TrainCrop,
 )
 from tpustream.config.environment import positive_seconds
-from tpustream.config.recipe import EmaConfig, ModelConfig, OptimConfig
+from tpustream.config.recipe import AugmentConfig, EmaConfig, ModelConfig, OptimConfig
 from tpustream.config.schema import (
     AcceleratorConfig,
     CheckpointConfig,
@@ -41,6 +43,7 @@ from tpustream.config.schema import (
 __all__ = [
     "SPMD_STRATEGIES",
     "AcceleratorConfig",
+    "AugmentConfig",
     "BestOf",
     "CheckpointConfig",
     "Collectives",
@@ -48,8 +51,10 @@ __all__ = [
     "DebugConfig",
     "Device",
     "EmaConfig",
+    "EraseMode",
     "IndexMode",
     "LastBatch",
+    "MixMode",
     "ModelConfig",
     "ModelLibrary",
     "OnError",

@@ -109,3 +109,19 @@ class BestOf(str, Enum):
 
     raw = "raw"  # the weights the optimizer trains
     ema = "ema"  # their exponential moving average (ema.decay > 0)
+
+
+class MixMode(str, Enum):
+    """How mixup/cutmix parameters are drawn (timm's Mixup modes), within each device's batch."""
+
+    batch = "batch"  # one lambda (and box) for the whole batch
+    pair = "pair"  # one per pair of samples i and B-1-i
+    elem = "elem"  # one per sample
+
+
+class EraseMode(str, Enum):
+    """What random erasing fills its rectangles with (timm's RandomErasing modes), in normalised units."""
+
+    const = "const"  # 0: the mean colour
+    rand = "rand"  # one standard-normal colour per rectangle
+    # (timm's "pixel", noise per pixel, is not built: it would ship an image of noise per sample.)

@@ -1,4 +1,4 @@
-"""The recipe's sections of the config: the model, the optimizer and its schedule, the weight average.
+"""The recipe's sections of the config: model, optimizer and schedule, weight average, augmentation.
 
 What an experiment file (conf/experiment/) sets, apart from where the data is
 and what runs it (``schema``). Each section checks its own fields.
@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from tpustream.config.choices import BestOf, ModelLibrary, OptimizerName, Schedule
+from tpustream.config.choices import BestOf, EraseMode, MixMode, ModelLibrary, OptimizerName, Schedule
 from tpustream.errors import ConfigError
 
 
@@ -169,3 +169,54 @@ class EmaConfig:
                 raise ConfigError(f"ema.{name} must be a positive number, got {value}")
         if self.select_best == BestOf.ema and self.decay == 0:
             raise ConfigError("ema.select_best=ema needs an average: set ema.decay (e.g. 0.9998)")
+
+
+@dataclass
+class AugmentConfig:
+    """Augmentation on the device, inside the compiled train step (tpustream.augment); all off by default.
+
+    timm's semantics (timm/data/mixup.py Mixup, timm/data/random_erasing.py
+    RandomErasing); every draw is made on the host per (seed, epoch, sample)
+    and shipped with the batch. Crops and flips stay on the host (data.*).
+    Mixing pairs sample i with sample B-1-i of the same device's batch.
+    """
+
+    # Mixup: images and targets mixed with lambda ~ Beta(mixup_alpha, mixup_alpha); 0 = off.
+    mixup_alpha: float = 0.0
+    # CutMix: a box of area 1 - lambda, lambda ~ Beta(cutmix_alpha, cutmix_alpha); 0 = off.
+    cutmix_alpha: float = 0.0
+    # CutMix box sides as fractions of the image, drawn in [min, max) instead of from alpha.
+    cutmix_minmax: list[float] | None = None
+    # Probability of mixing a batch (pair, sample); of cutmix rather than mixup when both are on.
+    mix_prob: float = 1.0
+    switch_prob: float = 0.5
+    mix_mode: MixMode = MixMode.batch
+    # Random erasing: each sample with this probability gets erase_count rectangles
+    # (2% to 1/3 of the image together, aspect 0.3 to 3.3), filled per erase_mode; 0 = off.
+    erase_prob: float = 0.0
+    erase_mode: EraseMode = EraseMode.const
+    erase_count: int = 1
+
+    def mixing(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0 or self.cutmix_minmax is not None
+
+    def active(self) -> bool:
+        return self.mixing() or self.erase_prob > 0
+
+    def check(self) -> None:
+        for name in ("mixup_alpha", "cutmix_alpha"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"augment.{name} must be >= 0 (0 = off), got {value}")
+        for name in ("mix_prob", "switch_prob", "erase_prob"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:  # NaN fails too
+                raise ConfigError(f"augment.{name} must be a probability in [0, 1], got {value}")
+        if self.cutmix_minmax is not None:
+            low_high = list(self.cutmix_minmax)
+            if len(low_high) != 2 or not 0 < low_high[0] < low_high[1] <= 1:
+                raise ConfigError(
+                    f"augment.cutmix_minmax must be [min, max] with 0 < min < max <= 1, got {low_high}"
+                )
+        if self.erase_count < 1:
+            raise ConfigError(f"augment.erase_count must be at least 1, got {self.erase_count}")

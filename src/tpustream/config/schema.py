@@ -24,7 +24,7 @@ from tpustream.config.choices import (
     Strategy,
     TrainCrop,
 )
-from tpustream.config.recipe import EmaConfig, ModelConfig, OptimConfig
+from tpustream.config.recipe import AugmentConfig, EmaConfig, ModelConfig, OptimConfig
 from tpustream.errors import ConfigError
 
 
@@ -256,13 +256,14 @@ class TrainConfig:
     eval_only: bool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def check(self) -> None:
         """Every section's own fields, then the top-level keys (cross-section rules: launch.checks)."""
         for section in (self.data, self.model, self.optim, self.accelerator):
             section.check()
-        for section in (self.checkpoint, self.ema, self.debug):
+        for section in (self.checkpoint, self.ema, self.augment, self.debug):
             section.check()
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {self.seed}")
@@ -277,5 +278,10 @@ class TrainConfig:
         for name in ("eval_every", "early_stop_patience", "fsdp_wrap_min_params"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.augment.mixing() and self.batch_size % 2:
+            raise ConfigError(
+                f"augment.* mixing pairs sample i with sample B-1-i of each device's batch: "
+                f"batch_size must be even, got {self.batch_size}"
+            )
         if self.eval_every == 0 and self.early_stop_patience:
             raise ConfigError("early_stop_patience needs validation; eval_every=0 turns it off")

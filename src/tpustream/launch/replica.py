@@ -92,6 +92,8 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             world_size=runtime.world_size,
             train=train,
             seed=cfg.seed,
+            augment=cfg.augment,
+            augment_group=cfg.batch_size,  # one device's batch
         )
 
     train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)

@@ -17,12 +17,18 @@ the whole average under the model's keys (``Trainer.whole_state``).
 
 from __future__ import annotations
 
+import copy
+import logging
+from typing import Any
+
 import torch
 import torch.nn as nn
 
 from tpustream.config import EmaConfig
 from tpustream.runtime import Runtime
 from tpustream.training.state import device_values
+
+log = logging.getLogger("tpustream.training")
 
 
 def averaged_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -69,3 +75,27 @@ class WeightAverage:
         weight = self.weight()
         for average, current in zip(averaged_tensors(self.module), averaged_tensors(model), strict=True):
             average.lerp_(current.detach(), weight.to(average.dtype))
+
+
+def average_on_host(
+    cfg: EmaConfig, model: nn.Module, resume_from: tuple[dict[str, Any], str] | None, is_master: bool
+) -> nn.Module | None:
+    """ema.decay: the model's copy that starts the average (the checkpoint's average if it has one).
+
+    Made on the host before the model moves to the device, so a saved average
+    loads as the weights do (not copied into device tensors in place).
+    """
+    if cfg.decay == 0:
+        return None
+    average = copy.deepcopy(model)
+    saved = resume_from[0].get("ema") if resume_from is not None else None
+    if saved is not None:
+        average.load_state_dict(saved)
+    elif resume_from is not None and is_master:
+        log.info("%s holds no weight average: ema starts from its weights", resume_from[1])
+    return average
+
+
+def ema_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The average's evaluation under ema_ names (its time and bad data are the split's, reported once)."""
+    return {f"ema_{name}": metrics[name] for name in ("val_accuracy", "val_correct", "val_top5", "val_loss")}

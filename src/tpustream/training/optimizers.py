@@ -90,6 +90,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         device = next((p.device for group in self.param_groups for p in group["params"]), None)
         return list(step_values([group["lr"] for group in self.param_groups], device).unbind())
 
+    def update_group(self, group: dict, lr: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """One group's update: its parameters that have a gradient, at this step's lr (a device scalar)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, lr in zip(self.param_groups, self.learning_rates(), strict=True):
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self.update_group(group, lr, params)
+        return loss
+
     def state_of(self, param: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
         state = self.state[param]
         if not state:  # not primed: zeros made here are constants of this step's graph
@@ -137,34 +153,24 @@ class LARS(LayerwiseOptimizer):
             else {}
         )
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, lr in zip(self.param_groups, self.learning_rates(), strict=True):
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            momentum, decay = group["momentum"], group["weight_decay"]
-            if group["exclude_from_adaptation"]:
-                rates = [lr] * len(params)
-            else:
-                squares = squared_norms([*params, *(p.grad for p in params)], self.sum_over_shards)
-                w_norms, g_norms = squares.sqrt().split(len(params))
-                denominators = g_norms + decay * w_norms + group["eps"]
-                ratios = trust_ratio(group["eta"] * w_norms, denominators, w_norms, g_norms)
-                rates = list((lr * ratios).unbind())
-            for param, rate in zip(params, rates, strict=True):
-                direction = param.grad if decay == 0 else param.grad.add(param, alpha=decay)
-                step = direction.mul(rate)
-                if momentum > 0:
-                    buffer = self.state_of(param, group)["momentum_buffer"]
-                    buffer.mul_(momentum).add_(step)
-                    step = step.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-                param.sub_(step)
-        return loss
+    def update_group(self, group: dict, lr: torch.Tensor, params: list[torch.Tensor]) -> None:
+        momentum, decay = group["momentum"], group["weight_decay"]
+        if group["exclude_from_adaptation"]:
+            rates = [lr] * len(params)
+        else:
+            squares = squared_norms([*params, *(p.grad for p in params)], self.sum_over_shards)
+            w_norms, g_norms = squares.sqrt().split(len(params))
+            denominators = g_norms + decay * w_norms + group["eps"]
+            ratios = trust_ratio(group["eta"] * w_norms, denominators, w_norms, g_norms)
+            rates = list((lr * ratios).unbind())
+        for param, rate in zip(params, rates, strict=True):
+            direction = param.grad if decay == 0 else param.grad.add(param, alpha=decay)
+            step = direction.mul(rate)
+            if momentum > 0:
+                buffer = self.state_of(param, group)["momentum_buffer"]
+                buffer.mul_(momentum).add_(step)
+                step = step.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+            param.sub_(step)
 
 
 class LAMB(LayerwiseOptimizer):
@@ -207,38 +213,28 @@ class LAMB(LayerwiseOptimizer):
             "exp_avg_sq": zeros(param.shape, param.dtype, param.device),
         }
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, lr in zip(self.param_groups, self.learning_rates(), strict=True):
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            updates = []
-            for param in params:
-                state = self.state_of(param, group)
-                count = state["step"].add_(1).squeeze(0)
-                state["exp_avg"].lerp_(param.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-                first = state["exp_avg"] / bias_correction(beta1, count)
-                second = (state["exp_avg_sq"] / bias_correction(beta2, count)).sqrt_().add_(group["eps"])
-                update = first.div_(second)
-                if group["weight_decay"] != 0:
-                    update.add_(param, alpha=group["weight_decay"])
-                updates.append(update)
-            if group["exclude_from_adaptation"]:
-                rates = [lr] * len(params)
-            else:
-                squares = squared_norms([*params, *updates], self.sum_over_shards)
-                w_norms, u_norms = squares.sqrt().split(len(params))
-                rates = list((lr * trust_ratio(w_norms, u_norms, w_norms, u_norms)).unbind())
-            for param, update, rate in zip(params, updates, rates, strict=True):
-                param.sub_(update.mul_(rate))
-        return loss
+    def update_group(self, group: dict, lr: torch.Tensor, params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        updates = []
+        for param in params:
+            state = self.state_of(param, group)
+            count = state["step"].add_(1).squeeze(0)
+            state["exp_avg"].lerp_(param.grad, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+            first = state["exp_avg"] / bias_correction(beta1, count)
+            second = (state["exp_avg_sq"] / bias_correction(beta2, count)).sqrt_().add_(group["eps"])
+            update = first.div_(second)
+            if group["weight_decay"] != 0:
+                update.add_(param, alpha=group["weight_decay"])
+            updates.append(update)
+        if group["exclude_from_adaptation"]:
+            rates = [lr] * len(params)
+        else:
+            squares = squared_norms([*params, *updates], self.sum_over_shards)
+            w_norms, u_norms = squares.sqrt().split(len(params))
+            rates = list((lr * trust_ratio(w_norms, u_norms, w_norms, u_norms)).unbind())
+        for param, update, rate in zip(params, updates, rates, strict=True):
+            param.sub_(update.mul_(rate))
 
 
 def clip_gradient_norm(optimizer: torch.optim.Optimizer, max_norm: float, sum_over_shards: ShardSum = None):

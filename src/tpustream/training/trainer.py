@@ -12,7 +12,6 @@ variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Iterator
@@ -23,10 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpustream import checkpoint, preemption
+from tpustream.augment.transform import DeviceAugment
 from tpustream.config import BestOf, Precision, Strategy, TrainConfig
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
-from tpustream.training.ema import WeightAverage
+from tpustream.training.ema import WeightAverage, average_on_host, ema_metrics
 from tpustream.training.epoch_checks import check_epoch, first_distinct
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
@@ -94,13 +94,19 @@ class Trainer:
             # resumed FSDP run drift from the uninterrupted one from its second
             # step on (torch_xla 2.9, seen here).
             model.load_state_dict(resume_from[0]["model"])
-        average = self.average_on_host(model, resume_from)
+        average = average_on_host(cfg.ema, model, resume_from, runtime.is_master)
         model = model.to(runtime.device)
         runtime.broadcast_parameters(model)  # every replica starts from the master's weights
         self.model = self.wrap_model(model)
         self.optimizer = build_optimizer(cfg, self.model)
         prime_optimizer_state(self.optimizer)
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
+        # augment.*: on the device, in the step, from the draws each batch carries.
+        self.augment = (
+            DeviceAugment(cfg.augment, self.normalize, cfg.optim.label_smoothing, group=cfg.batch_size)
+            if cfg.augment.active()
+            else None
+        )
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.debug = DebugChecks(cfg.debug, runtime)
@@ -142,18 +148,6 @@ class Trainer:
     def whole_state(self, module: nn.Module, tag: str) -> Any:
         """A module wrapped by wrap_model as the plain model's state_dict (a collective when sharded)."""
         return module.state_dict()
-
-    def average_on_host(self, model: nn.Module, resume_from: ResumeFrom | None) -> nn.Module | None:
-        """ema.decay: the model's copy that starts the average (the checkpoint's average if it has one)."""
-        if self.cfg.ema.decay == 0:
-            return None
-        average = copy.deepcopy(model)
-        saved = resume_from[0].get("ema") if resume_from is not None else None
-        if saved is not None:
-            average.load_state_dict(saved)
-        elif resume_from is not None and self.runtime.is_master:
-            log.info("%s holds no weight average: ema starts from its weights", resume_from[1])
-        return average
 
     def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
         written_by, mine = state.get("strategy", Strategy.ddp.value), self.cfg.strategy.value
@@ -219,11 +213,18 @@ class Trainer:
         xm.optimizer_step averages replicas.
         """
         with self.autocast():
-            logits = self.model(self.normalize(batch["image"]))
-        per_sample = F.cross_entropy(
-            logits.float(), batch["label"], reduction="none", label_smoothing=self.cfg.optim.label_smoothing
+            # "input": the augmented batch's (normalised and augmented already).
+            inputs = batch["input"] if "input" in batch else self.normalize(batch["image"])
+            logits = self.model(inputs)
+        return (self.per_sample_loss(logits.float(), batch) * batch["real"]).sum() / self.loss_denominator()
+
+    def per_sample_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy per sample: against soft targets when augment.* mixes, label-smoothed either way."""
+        if self.augment is not None:
+            return self.augment.loss(logits, batch)
+        return F.cross_entropy(
+            logits, batch["label"], reduction="none", label_smoothing=self.cfg.optim.label_smoothing
         )
-        return (per_sample * batch["real"]).sum() / self.loss_denominator()
 
     def replica_samples(self, batch: dict[str, torch.Tensor]) -> int:
         """Samples of this step that this replica loaded (its rate; the global rate sums replicas)."""
@@ -251,6 +252,8 @@ class Trainer:
     def step_fn(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         set_learning_rate(self.optimizer, self.schedule(self.global_step))
         self.optimizer.zero_grad(set_to_none=True)
+        if self.augment is not None:
+            batch = self.augment(batch)  # the step's whole batch: pairs within each device's
         # Gradients of the micro-batches add up in .grad; the Python loop is
         # unrolled into the step's one graph.
         total = None
@@ -462,8 +465,3 @@ class Trainer:
             if patience and evaluated and epoch - self.best_epoch >= patience:
                 log.info("early stop: no better accuracy for %d epoch(s)", patience)
                 break
-
-
-def ema_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The average's evaluation under ema_ names (its time and bad data are the split's, reported once)."""
-    return {f"ema_{name}": metrics[name] for name in ("val_accuracy", "val_correct", "val_top5", "val_loss")}

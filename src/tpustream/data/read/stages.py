@@ -10,7 +10,7 @@ of steps and no pod waits forever in an all-reduce.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -327,3 +327,14 @@ def augment_batches(
             "sample_id": torch.from_numpy(batch.sample_ids),
             "bad_shards": on_error.take_bad_shards() if on_error is not None else [],
         }
+
+
+def add_device_draws(
+    batches: Iterable[dict[str, torch.Tensor | list[str]]], draws: Callable, epoch: int
+) -> Iterator[dict[str, torch.Tensor | list[str]]]:
+    """Add the device augmentation's draws (augment.draws.BatchDraws) to each batch, by its sample ids."""
+    for batch in batches:
+        sample_ids = batch["sample_id"]
+        assert isinstance(sample_ids, torch.Tensor)
+        batch.update(draws(epoch, sample_ids.numpy()))
+        yield batch

@@ -17,7 +17,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from tpustream.config import DataConfig, LastBatch, OnError, TrainCrop
+from tpustream.augment.draws import BatchDraws
+from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.augment import draw_crop_flip
@@ -39,6 +40,7 @@ from tpustream.data.read.plan import (
 )
 from tpustream.data.read.stages import (
     ErrorPolicy,
+    add_device_draws,
     augment_batches,
     batch_samples,
     decode_samples,
@@ -112,8 +114,15 @@ class ShardStream(IterableDataset):
         world_size: int,
         train: bool,
         seed: int,
+        augment: AugmentConfig | None = None,
+        augment_group: int = 0,
     ):
-        """The run's data.* section whole; the rest says which replica, split and batch this is."""
+        """The run's data.* section whole; the rest says which replica, split and batch this is.
+
+        augment (training): the device's augmentation, whose draws each batch
+        carries (augment.draws); augment_group: one device's batch within this
+        one (its pairs and batch-level draws stay inside it; default: all of it).
+        """
         super().__init__()
         self.manifest = manifest
         self.batch_size = batch_size
@@ -144,6 +153,11 @@ class ShardStream(IterableDataset):
             if data.in_memory:
                 raise ValueError("in_memory holds decoded images; random_resized crops need the encoded ones")
             self.crops = CroppingDecoder(self.decoder, train, seed, data.eval_crop_ratio, data.hflip)
+        self.draws: BatchDraws | None = None
+        if train and augment is not None and augment.active():
+            channels, out_height, out_width = self.decoder.shape
+            group = augment_group or batch_size
+            self.draws = BatchDraws(augment, (out_height, out_width), channels, group, seed)
         # Validation always pads and masks so it covers every sample once.
         self.layout: EpochLayout = plan_layout(
             manifest.num_samples,
@@ -268,4 +282,5 @@ class ShardStream(IterableDataset):
                 hflip=self.hflip,
                 on_error=on_error,
             ),
+            functools.partial(add_device_draws, draws=self.draws, epoch=self.epoch) if self.draws else None,
         )

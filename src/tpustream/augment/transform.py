@@ -1,0 +1,69 @@
+"""``DeviceAugment``: the training batch's augmentation on the device, as the trainer calls it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tpustream.augment.erasing import erase
+from tpustream.augment.mixing import mix_images, mix_targets, partners, soft_target_cross_entropy
+from tpustream.config import AugmentConfig
+
+# The batch fields the host's draws add (augment.draws.BatchDraws).
+DRAW_KEYS = ("mix_lam", "mix_rest", "mix_cut", "mix_box", "erase_box", "erase_value")
+
+
+class DeviceAugment:
+    """Normalise, erase, then mix (timm's order: erasing is per image, mixing per batch).
+
+    Takes a training batch with the host's draws; returns it with "input"
+    (the model's normalised, augmented input) and, when mixing, what the loss
+    needs for soft targets ("mix_label": each sample's partner's label,
+    "mix_lam", "mix_rest"), the other draws taken out. Applied to the step's
+    whole batch, before micro-batches cut it: pairs are a device's batch's.
+    """
+
+    def __init__(
+        self,
+        cfg: AugmentConfig,
+        normalize: Callable[[torch.Tensor], torch.Tensor],
+        label_smoothing: float,
+        group: int,
+    ):
+        self.cfg = cfg
+        self.normalize = normalize
+        self.label_smoothing = label_smoothing
+        self.group = group
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {key: value for key, value in batch.items() if key not in DRAW_KEYS}
+        images = self.normalize(batch["image"])
+        if "erase_box" in batch:
+            images = erase(images, batch["erase_box"], batch["erase_value"])
+        if "mix_lam" in batch:
+            images = mix_images(images, batch, self.group)
+            out.update(
+                mix_label=partners(batch["label"], self.group),
+                mix_lam=batch["mix_lam"],
+                mix_rest=batch["mix_rest"],
+            )
+        out["input"] = images
+        return out
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample loss: against the mixed soft targets when mixing, else (smoothed) cross-entropy."""
+        if "mix_lam" not in batch:
+            return F.cross_entropy(
+                logits, batch["label"], reduction="none", label_smoothing=self.label_smoothing
+            )
+        targets = mix_targets(
+            batch["label"],
+            batch["mix_label"],
+            batch["mix_lam"],
+            batch["mix_rest"],
+            logits.shape[1],
+            self.label_smoothing,
+        )
+        return soft_target_cross_entropy(logits, targets)
