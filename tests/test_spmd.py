@@ -173,7 +173,7 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     # 24 updates with a warmup: the average still lags the weights (about 30% here).
     assert records[1]["ema_val_accuracy"] > 0.2
     assert [r["val_samples"] for r in records] == [359, 359]
-    assert records[1]["val_accuracy"] > 0.5  # chance is 10%
+    assert records[1]["val_accuracy"] > 0.3  # chance is 10%; mixup and erasing slow 2 epochs down
 
     folder = tmp_path_factory.mktemp("fsdp-sigterm")
     run = str(folder / "run")
