@@ -96,6 +96,14 @@ class BatchDraws:
         area = (box[1] - box[0]) * (box[3] - box[2])
         return box, 1.0 - area / float(height * width)
 
+    def mix_draw(self, rng: np.random.Generator) -> tuple[float, bool, tuple[int, int, int, int]]:
+        """One element's (pair's, batch's) lambda for the target, whether it cuts, and its box (or none)."""
+        value, is_cut = self.mix_params(rng)
+        if value == 1.0 or not is_cut:
+            return value, False, (0, 0, 0, 0)
+        corners, value = self.cutmix_box(value, rng)
+        return value, value != 1.0, corners
+
     def mixing(self, generators: list[np.random.Generator]) -> dict[str, torch.Tensor]:
         """mix_lam (the target's lambda), mix_rest (1 - it, in float64 first), mix_cut, mix_box."""
         batch = len(generators)
@@ -107,25 +115,18 @@ class BatchDraws:
             size = min(self.group, batch - start)
             if mode == MixMode.batch:
                 # The group's one draw, from its first sample's generator.
-                rng = generators[start]
-                value, is_cut = self.mix_params(rng)
-                if value != 1.0 and is_cut:
-                    corners, value = self.cutmix_box(value, rng)
-                    box[start : start + size] = corners
-                lam[start : start + size], cut[start : start + size] = value, is_cut and value != 1.0
+                value, is_cut, corners = self.mix_draw(generators[start])
+                lam[start : start + size], cut[start : start + size] = value, is_cut
+                box[start : start + size] = corners
                 continue
             owners = range(size // 2) if mode == MixMode.pair else range(size)
             for offset in owners:
-                rng = generators[start + offset]
-                value, is_cut = self.mix_params(rng)
-                corners = (0, 0, 0, 0)
-                if value != 1.0 and is_cut:
-                    corners, value = self.cutmix_box(value, rng)
+                value, is_cut, corners = self.mix_draw(generators[start + offset])
                 places = [start + offset]
                 if mode == MixMode.pair:
                     places.append(start + size - 1 - offset)
                 for place in places:
-                    lam[place], cut[place], box[place] = value, is_cut and value != 1.0, corners
+                    lam[place], cut[place], box[place] = value, is_cut, corners
         return {
             "mix_lam": torch.from_numpy(lam.astype(np.float32)),
             "mix_rest": torch.from_numpy((1.0 - lam).astype(np.float32)),
