@@ -130,6 +130,37 @@ def test_erasing_fills_only_its_rectangles():
         assert (mode == "const") == bool((draws["erase_value"] == 0).all())
 
 
+def test_pixel_erasing_fills_with_standard_normal_noise_keyed_by_sample():
+    """timm's "pixel" mode: per-pixel N(0, 1) inside the rectangles, a function of the sample's key."""
+    from tpustream.augment.erasing import pixel_noise
+
+    cfg = AugmentConfig(erase_prob=1.0, erase_mode="pixel")
+    draws = draws_for(cfg, range(6))
+    x = images(6)
+    out = erase(x, draws["erase_box"], draws["erase_value"], draws["erase_key"])
+    noise = pixel_noise(draws["erase_key"], (3, 16, 12))
+    for b in range(6):
+        top, bottom, left, right = draws["erase_box"][b, 0].tolist()
+        assert torch.equal(out[b, :, top:bottom, left:right], noise[b, :, top:bottom, left:right])
+        outside = torch.ones(16, 12, dtype=torch.bool)
+        outside[top:bottom, left:right] = False
+        assert torch.equal(out[b][:, outside], x[b][:, outside])
+    # Another sample's key is other noise; the same key, the same noise (on any device: integer hashing).
+    assert torch.equal(pixel_noise(draws["erase_key"][:2], (3, 16, 12)), noise[:2])
+    assert not torch.equal(noise[0], noise[1])
+    big = pixel_noise(torch.tensor([1, -7, 2**31 - 1], dtype=torch.int32), (3, 64, 64)).flatten()
+    assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1) < 0.02
+    assert stats_normal_pvalue(big) > 1e-3
+    pairs = big.view(-1, 2)  # neighbours do not follow each other
+    assert abs(float(torch.corrcoef(pairs.T)[0, 1])) < 0.03
+
+
+def stats_normal_pvalue(values: torch.Tensor) -> float:
+    from scipy import stats
+
+    return float(stats.kstest(values.numpy(), "norm").pvalue)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -172,7 +203,8 @@ def config_with_augment(run: str, **changes):
         "augment.cutmix_alpha": 1.0,
         "augment.mix_mode": MixMode.elem,
         "augment.erase_prob": 0.5,
-        "augment.erase_mode": "rand",
+        "augment.erase_mode": "pixel",
+        "augment.randaugment": "rand-m9-mstd0.5-inc1",
         "optim.label_smoothing": 0.1,
     }
     return tiny_config(run, **{**options, **changes})
@@ -210,8 +242,8 @@ def test_micro_batches_mix_the_whole_step_batch_alike(fake_job, tmp_path):
 
 @pytest.mark.slow
 def test_digits_learn_with_every_augmentation_on_the_device_compiling_in_epoch_0_only(digits_root, tmp_path):
-    """Mixup and cutmix per sample, random erasing with random colours, label smoothing: on XLA,
-    one train graph whatever is drawn, and the CNN still learns the digits (measured: 94.4%)."""
+    """RandAugment, mixup and cutmix per sample, random erasing with pixel noise, label smoothing:
+    on XLA, one train graph whatever is drawn, and the CNN still learns the digits."""
     from tests.conftest import run_train
     from tpustream.checkpoint import read_metrics
 
@@ -219,11 +251,12 @@ def test_digits_learn_with_every_augmentation_on_the_device_compiling_in_epoch_0
     result = run_train(
         f"data.root={digits_root}",
         "epochs=8",
+        "augment.randaugment=rand-m9-mstd0.5-inc1",
         "augment.mixup_alpha=0.2",
         "augment.cutmix_alpha=1.0",
         "augment.mix_mode=elem",
         "augment.erase_prob=0.25",
-        "augment.erase_mode=rand",
+        "augment.erase_mode=pixel",
         "optim.label_smoothing=0.1",
         "log_steps=1000",
         "data.num_workers=0",
@@ -234,4 +267,6 @@ def test_digits_learn_with_every_augmentation_on_the_device_compiling_in_epoch_0
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run)
     assert len({r["compilations"] for r in records}) == 1  # all in epoch 0
-    assert max(r["val_accuracy"] for r in records) > 0.9  # chance is 10%
+    # Measured: 80.5% at best (everything at once regularises a small CNN hard in 8 epochs);
+    # chance is 10%.
+    assert max(r["val_accuracy"] for r in records) > 0.6

@@ -18,6 +18,7 @@ import math
 import numpy as np
 import torch
 
+from tpustream.augment.policies import RandAugment, TrivialAugment
 from tpustream.config import AugmentConfig, MixMode
 
 # Keeps augmentation's generators apart from any other use of (seed, epoch, sample).
@@ -28,9 +29,16 @@ ERASE_LOG_ASPECT = (math.log(0.3), math.log(1 / 0.3))
 ERASE_ATTEMPTS = 10
 
 
-def sample_generator(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
-    """The generator of one sample's draws (sample_id -1: a place filled after bad data)."""
-    return np.random.default_rng([seed, SALT, epoch, sample_id + 1])
+def sample_generator(seed: int, epoch: int, sample_id: int, *stream: int) -> np.random.Generator:
+    """The generator of one sample's draws (sample_id -1: a place filled after bad data).
+
+    stream: another independent sequence for the same sample (the operation
+    policy's, so turning mixing on or off leaves its draws as they were).
+    """
+    return np.random.default_rng([seed, SALT, epoch, sample_id + 1, *stream])
+
+
+POLICY_STREAM = 1
 
 
 class BatchDraws:
@@ -47,6 +55,7 @@ class BatchDraws:
         self.group = group
         self.seed = seed
         self.cutmix_alpha = 1.0 if cfg.cutmix_minmax is not None else cfg.cutmix_alpha
+        self.policy: RandAugment | TrivialAugment | None = cfg.policy()
 
     def __call__(self, epoch: int, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
         batch = len(sample_ids)
@@ -56,6 +65,8 @@ class BatchDraws:
             draws.update(self.mixing(generators))
         if self.cfg.erase_prob > 0:
             draws.update(self.erasing(generators))
+        if self.policy is not None:
+            draws.update(self.operations(epoch, sample_ids))
         assert all(t.shape[0] == batch for t in draws.values())
         return draws
 
@@ -134,9 +145,35 @@ class BatchDraws:
             "mix_box": torch.from_numpy(box),
         }
 
+    # -- RandAugment / TrivialAugment -----------------------------------------
+    def operations(self, epoch: int, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """aug_op (B, L) codes, aug_matrix (B, L, 6), aug_value and aug_rest (1 - value, in float64 first)."""
+        policy = self.policy
+        assert policy is not None
+        batch, layers = len(sample_ids), policy.layers
+        codes = np.zeros((batch, layers), np.int32)
+        matrices = np.zeros((batch, layers, 6), np.float64)
+        values = np.zeros((batch, layers), np.float64)
+        for index, sample_id in enumerate(sample_ids):
+            rng = sample_generator(self.seed, epoch, int(sample_id), POLICY_STREAM)
+            for layer, drawn in enumerate(policy.draw(rng)):
+                op = policy.to_device(drawn, self.height, self.width)
+                codes[index, layer], matrices[index, layer], values[index, layer] = (
+                    op.code,
+                    op.matrix,
+                    op.value,
+                )
+        return {
+            "aug_op": torch.from_numpy(codes),
+            "aug_matrix": torch.from_numpy(matrices.astype(np.float32)),
+            "aug_value": torch.from_numpy(values.astype(np.float32)),
+            "aug_rest": torch.from_numpy((1.0 - values).astype(np.float32)),
+        }
+
     # -- random erasing -------------------------------------------------------
     def erasing(self, generators: list[np.random.Generator]) -> dict[str, torch.Tensor]:
-        """erase_box (B, K, 4) top/bottom/left/right, empty where nothing is erased; erase_value (B, K, C)."""
+        """erase_box (B, K, 4) top/bottom/left/right, empty where nothing is erased; erase_value (B, K, C);
+        erase_key (B,) in pixel mode: the key the device hashes into the sample's noise."""
         count, batch = self.cfg.erase_count, len(generators)
         boxes = np.zeros((batch, count, 4), np.int32)
         values = np.zeros((batch, count, self.channels), np.float32)
@@ -159,4 +196,8 @@ class BatchDraws:
                         if self.cfg.erase_mode == "rand":
                             values[index, k] = rng.standard_normal(self.channels)
                         break
-        return {"erase_box": torch.from_numpy(boxes), "erase_value": torch.from_numpy(values)}
+        draws = {"erase_box": torch.from_numpy(boxes), "erase_value": torch.from_numpy(values)}
+        if self.cfg.erase_mode == "pixel":
+            keys = [int(rng.integers(-(2**31), 2**31)) for rng in generators]
+            draws["erase_key"] = torch.tensor(keys, dtype=torch.int32)
+        return draws

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from tpustream.augment.erasing import erase
 from tpustream.augment.mixing import mix_images, mix_targets, partners, soft_target_cross_entropy
-from tpustream.config import AugmentConfig
+from tpustream.augment.ops import apply_layer
+from tpustream.augment.policies import policy_ops
+from tpustream.config import AugmentConfig, Interpolation
 
 # The batch fields the host's draws add (augment.draws.BatchDraws).
-DRAW_KEYS = ("mix_lam", "mix_rest", "mix_cut", "mix_box", "erase_box", "erase_value")
+DRAW_KEYS = (
+    "mix_lam", "mix_rest", "mix_cut", "mix_box", "erase_box", "erase_value",
+    "erase_key", "aug_op", "aug_matrix", "aug_value", "aug_rest",
+)  # fmt: skip
 
 
 class DeviceAugment:
-    """Normalise, erase, then mix (timm's order: erasing is per image, mixing per batch).
+    """Operations, normalise, erase, then mix (timm's order: RandAugment on the 0..255 image,
+    erasing on the normalised one, mixing across the batch).
 
     Takes a training batch with the host's draws; returns it with "input"
     (the model's normalised, augmented input) and, when mixing, what the loss
@@ -31,17 +37,45 @@ class DeviceAugment:
         normalize: Callable[[torch.Tensor], torch.Tensor],
         label_smoothing: float,
         group: int,
+        mean: Sequence[float] = (0.5, 0.5, 0.5),
     ):
         self.cfg = cfg
         self.normalize = normalize
         self.label_smoothing = label_smoothing
         self.group = group
+        policy = cfg.policy()
+        self.codes = policy_ops(policy) if policy is not None else frozenset()
+        # The geometric operations' fill: the config's, or timm's img_mean (the mean colour).
+        self.fill = torch.tensor(
+            list(cfg.fill) if cfg.fill is not None else [min(255, round(255 * m)) for m in mean],
+            dtype=torch.float32,
+        )
+
+    def operations(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The policy's layers on the 0..255 images (float), each sample its own operations."""
+        images = batch["image"].float()
+        if images.shape[1] != len(self.fill):
+            raise ValueError(f"augment.fill has {len(self.fill)} values for {images.shape[1]}-channel images")
+        fill = self.fill.to(images.device)
+        bilinear = self.cfg.interpolation == Interpolation.bilinear
+        for layer in range(batch["aug_op"].shape[1]):
+            images = apply_layer(
+                images,
+                batch["aug_op"][:, layer],
+                batch["aug_matrix"][:, layer],
+                batch["aug_value"][:, layer],
+                batch["aug_rest"][:, layer],
+                self.codes,
+                bilinear,
+                fill,
+            )
+        return images
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {key: value for key, value in batch.items() if key not in DRAW_KEYS}
-        images = self.normalize(batch["image"])
+        images = self.normalize(self.operations(batch) if "aug_op" in batch else batch["image"])
         if "erase_box" in batch:
-            images = erase(images, batch["erase_box"], batch["erase_value"])
+            images = erase(images, batch["erase_box"], batch["erase_value"], batch.get("erase_key"))
         if "mix_lam" in batch:
             images = mix_images(images, batch, self.group)
             out.update(

@@ -119,9 +119,16 @@ class MixMode(str, Enum):
     elem = "elem"  # one per sample
 
 
+class Interpolation(str, Enum):
+    """How RandAugment's and TrivialAugment's geometric operations resample (torchvision's tensor modes)."""
+
+    nearest = "nearest"  # torchvision's TrivialAugmentWide default
+    bilinear = "bilinear"  # timm's RandAugment draws bilinear or bicubic; bicubic is not built
+
+
 class EraseMode(str, Enum):
     """What random erasing fills its rectangles with (timm's RandomErasing modes), in normalised units."""
 
     const = "const"  # 0: the mean colour
     rand = "rand"  # one standard-normal colour per rectangle
-    # (timm's "pixel", noise per pixel, is not built: it would ship an image of noise per sample.)
+    pixel = "pixel"  # standard-normal noise per pixel (hashed on the device from a key per sample)

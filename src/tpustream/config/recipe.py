@@ -12,7 +12,15 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from tpustream.config.choices import BestOf, EraseMode, MixMode, ModelLibrary, OptimizerName, Schedule
+from tpustream.config.choices import (
+    BestOf,
+    EraseMode,
+    Interpolation,
+    MixMode,
+    ModelLibrary,
+    OptimizerName,
+    Schedule,
+)
 from tpustream.errors import ConfigError
 
 
@@ -196,12 +204,30 @@ class AugmentConfig:
     erase_prob: float = 0.0
     erase_mode: EraseMode = EraseMode.const
     erase_count: int = 1
+    # RandAugment as timm's config string ("rand-m9-mstd0.5-inc1": magnitude 9 of 10, its
+    # noise, the increasing op set; n layers, p per op, mmax, tweights); null = off.
+    randaugment: str | None = None
+    # torchvision's TrivialAugmentWide: one of 14 operations at one of 31 magnitudes.
+    trivialaugment: bool = False
+    # Their geometric operations' resampling and fill (0..255 per channel; null: the
+    # data's mean colour, round(255 * data.mean), as timm fills with img_mean).
+    interpolation: Interpolation = Interpolation.bilinear
+    fill: list[float] | None = None
 
     def mixing(self) -> bool:
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0 or self.cutmix_minmax is not None
 
+    def policy(self):
+        """The per-sample operation policy (augment.policies), or None."""
+        # Imported here: the config package stays free of torch and numpy.
+        from tpustream.augment.policies import RandAugment, TrivialAugment
+
+        if self.randaugment:
+            return RandAugment.parse(self.randaugment)
+        return TrivialAugment() if self.trivialaugment else None
+
     def active(self) -> bool:
-        return self.mixing() or self.erase_prob > 0
+        return self.mixing() or self.erase_prob > 0 or bool(self.randaugment) or self.trivialaugment
 
     def check(self) -> None:
         for name in ("mixup_alpha", "cutmix_alpha"):
@@ -220,3 +246,10 @@ class AugmentConfig:
                 )
         if self.erase_count < 1:
             raise ConfigError(f"augment.erase_count must be at least 1, got {self.erase_count}")
+        if self.randaugment and self.trivialaugment:
+            raise ConfigError("augment.randaugment and augment.trivialaugment are two policies: choose one")
+        self.policy()  # a RandAugment string that timm would not read fails here, naming its section
+        if self.fill is not None and not all(0 <= value <= 255 for value in self.fill):
+            raise ConfigError(
+                f"augment.fill is 0..255 per channel (or null: the mean colour), got {list(self.fill)}"
+            )

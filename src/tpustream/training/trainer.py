@@ -103,7 +103,13 @@ class Trainer:
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         # augment.*: on the device, in the step, from the draws each batch carries.
         self.augment = (
-            DeviceAugment(cfg.augment, self.normalize, cfg.optim.label_smoothing, group=cfg.batch_size)
+            DeviceAugment(
+                cfg.augment,
+                self.normalize,
+                cfg.optim.label_smoothing,
+                group=cfg.batch_size,
+                mean=cfg.data.mean,
+            )
             if cfg.augment.active()
             else None
         )
