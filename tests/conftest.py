@@ -282,8 +282,11 @@ def fake_job(monkeypatch):
 
     train_data, val_data = tiny_split(96, seed=1), tiny_split(18, seed=2)
 
-    def run(cfg, world_size: int = 1, resume_from=None, stop_at=None, trainer_class=None) -> FakeJob:
-        world = FakeWorld(world_size)
+    def run(
+        cfg, world_size: int = 1, resume_from=None, stop_at=None, trainer_class=None, **extras
+    ) -> FakeJob:
+        """extras: accelerator_type (a pretend TPU), model_flops (the trainer's)."""
+        world = FakeWorld(world_size, accelerator_type=extras.pop("accelerator_type", None))
         monkeypatch.setattr(preemption, "stop_requested", world.stop_requested)
         monkeypatch.setattr(preemption, "request_stop", world.request_stop)
         # Built here, not on the replica threads, which would share torch's seeded generator.
@@ -318,6 +321,7 @@ def fake_job(monkeypatch):
                 # Each replica reads its own copy, as in a run: optimizer.load_state_dict
                 # keeps CPU tensors as they are, so replicas would share momentum buffers.
                 resume_from=copy.deepcopy(resume_from),
+                **extras,
             )
             trainers[runtime.rank] = trainer
             return trainer.fit()

@@ -31,8 +31,9 @@ T = TypeVar("T")
 class FakeWorld:
     """What the replicas of one simulated job share: the meeting point and their stop flags."""
 
-    def __init__(self, world_size: int, timeout: float = 60.0):
+    def __init__(self, world_size: int, timeout: float = 60.0, accelerator_type: str | None = None):
         self.world_size = world_size
+        self.accelerator_type = accelerator_type
         # A timeout, so a replica that skips a collective fails the test instead of hanging it.
         self._barrier = threading.Barrier(world_size, timeout=timeout)
         self._slots: list[Any] = [None] * world_size
@@ -97,6 +98,9 @@ class FakeRuntime:
     @property
     def is_master(self) -> bool:
         return self.rank == 0
+
+    def accelerator_type(self) -> str | None:
+        return self.world.accelerator_type  # a test's pretend TPU (MFU), else None
 
     def place(self, tensors) -> None:
         pass

@@ -67,6 +67,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     from tpustream.data.read.loader import make_loader
     from tpustream.data.read.stream import ShardStream
     from tpustream.observe import start_profiler
+    from tpustream.observe.flops import training_flops_per_sample
     from tpustream.training import make_trainer
 
     cfg = plan.cfg
@@ -112,13 +113,19 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         )
     worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size, os.getpid())
     height, width = plan.train.image_size
-    model = create_model(
+    build = functools.partial(
+        create_model,
         cfg.model.name,
         num_classes=plan.train.num_classes,
         image_size=max(height, width),
         channels=plan.train.channels,
         library=cfg.model.library,
         **cfg.model.options,
+    )
+    model = build()
+    # The master reports it (metrics.jsonl, MFU): counted once, on the meta device.
+    model_flops = (
+        training_flops_per_sample(build, (plan.train.channels, height, width)) if runtime.is_master else None
     )
     if plan.pretrained is not None and plan.resume_url is None:
         from tpustream.models.pretrained import load_pretrained
@@ -153,6 +160,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             val_loader,
             resume_from=resume_from,
             started_at=plan.started_at,
+            model_flops=model_flops,
         )
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
         summary = trainer.fit()

@@ -38,6 +38,9 @@ class Runtime(Protocol):
     @property
     def is_master(self) -> bool: ...
 
+    def accelerator_type(self) -> str | None:
+        """The TPU's accelerator type ("v4", "v5litepod", ...) for MFU; None off TPUs."""
+
     def device_loader(self, loader: Iterable) -> Iterator:
         """Iterate loader with batches already on the device (and a step boundary per batch)."""
 

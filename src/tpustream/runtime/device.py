@@ -60,6 +60,18 @@ class XlaDevice:
     def is_master(self) -> bool:
         return self.rank == 0
 
+    def accelerator_type(self) -> str | None:
+        import torch_xla.runtime as xr
+
+        if xr.device_type() != "TPU":
+            return None
+        from torch_xla._internal import tpu
+
+        try:
+            return tpu.get_tpu_type()  # TPU_ACCELERATOR_TYPE's prefix, or the metadata server's
+        except Exception:  # no type known: MFU is left out, never the run
+            return None
+
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass  # one device: a tensor is where it was copied to
 

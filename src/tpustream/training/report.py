@@ -21,6 +21,8 @@ import torch
 from tpustream import checkpoint, observe
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
+from tpustream.observe.chips import chip_from_accelerator_type, mfu
+from tpustream.observe.flops import TRAINING_FACTOR
 from tpustream.runtime import Runtime
 
 # The package's name, not this module's: log lines read "tpustream.training" as
@@ -64,6 +66,10 @@ class EpochRecord:
     compilations: int  # graphs compiled in the process so far
     epoch_seconds: float | None = None  # training plus evaluation
     setup_seconds: float | None = None  # process start to its first loop
+    # FLOPs to train on one sample (3 x forward, counted on the meta device; master only).
+    model_flops_per_sample: int | None = None
+    # Model FLOPs utilisation of the epoch's global rate against the TPU chips' bf16 peak.
+    mfu: float | None = None
 
     @property
     def evaluated(self) -> bool:
@@ -126,9 +132,16 @@ class EpochReporter:
     """One replica's log lines and, on the master, TensorBoard scalars and the run folder's files."""
 
     def __init__(
-        self, cfg: TrainConfig, config_dict: dict[str, Any], runtime: Runtime, started_at: float | None = None
+        self,
+        cfg: TrainConfig,
+        config_dict: dict[str, Any],
+        runtime: Runtime,
+        started_at: float | None = None,
+        model_flops: int | None = None,
     ):
         self.cfg = cfg
+        self.model_flops = model_flops
+        self.chip = chip_from_accelerator_type(runtime.accelerator_type())
         self.config_dict = config_dict
         self.runtime = runtime
         self.output_dir = cfg.output_dir
@@ -143,11 +156,30 @@ class EpochReporter:
         if self.setup_seconds is None and self.started_at is not None:
             self.setup_seconds = time.time() - self.started_at
 
+    def mfu(self, global_rate: float) -> float | None:
+        """The model FLOPs utilisation of the whole job at global_rate samples/s (on a known TPU)."""
+        if self.chip is None or not self.model_flops:
+            return None
+        devices = self.runtime.world_size * self.runtime.local_devices
+        return mfu(self.model_flops, global_rate, devices, self.chip)
+
     def report_run_start(self, peak_lr: float, warmup_steps: int) -> None:
-        """config.yaml, and the learning rate the linear scaling rule chose (master only)."""
+        """config.yaml, the model's FLOPs, and the learning rate linear scaling chose (master only)."""
         if not self.runtime.is_master:
             return
         self._write_run_file(checkpoint.write_config, self.config_dict)
+        if self.model_flops:
+            against = (
+                f"; MFU against {self.chip.name}'s {self.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip"
+                if self.chip is not None
+                else ""
+            )
+            log.info(
+                "model: %.4g GFLOPs to train on one sample (3 x %.4g forward)%s",
+                self.model_flops / 1e9,
+                self.model_flops / TRAINING_FACTOR / 1e9,
+                against,
+            )
         if self.cfg.optim.reference_batch_size:
             log.info(
                 "peak learning rate %.4g = %.4g x global batch %d / reference batch %d (linear scaling), "
@@ -227,6 +259,7 @@ class EpochReporter:
             f"Epoch={record.epoch} train: loss={record.train_loss:.4f} samples={record.train_samples} "
             f"(replica steps {record.replica_steps}) skipped={record.train_filled} "
             f"GlobalRate={record.global_rate:.1f} time={record.train_seconds:.1f}s"
+            + (f" MFU={100 * record.mfu:.1f}%" if record.mfu is not None else "")
         )
         top5 = f" top5={100 * record.val_top5:.2f}%" if record.val_top5 is not None else ""
         ema = (
@@ -252,6 +285,8 @@ class EpochReporter:
             "rate/global": record.global_rate,
             "xla/compilations": record.compilations,
         }
+        if record.mfu is not None:
+            values["rate/mfu"] = record.mfu
         values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(replica_rates)})
         if record.evaluated:
             values.update({"epoch/val_accuracy": record.val_accuracy, "epoch/val_loss": record.val_loss})

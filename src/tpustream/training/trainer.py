@@ -82,6 +82,7 @@ class Trainer:
         val_loader: EpochSource,
         resume_from: ResumeFrom | None = None,
         started_at: float | None = None,
+        model_flops: int | None = None,
     ):
         self.cfg = cfg
         self.config_dict = config_dict
@@ -120,7 +121,7 @@ class Trainer:
         self.steps_per_epoch = train_loader.steps
         self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
         self.checkpoints = CheckpointWriter(cfg, runtime)
-        self.reporter = EpochReporter(cfg, config_dict, runtime, started_at)
+        self.reporter = EpochReporter(cfg, config_dict, runtime, started_at, model_flops)
         self.replica_rates: list[float] = []
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
@@ -417,6 +418,8 @@ class Trainer:
             **metrics,
             epoch_seconds=metrics["train_seconds"] + metrics.get("val_seconds", 0.0),
             setup_seconds=self.reporter.setup_seconds if first_end else None,
+            model_flops_per_sample=self.reporter.model_flops,
+            mfu=self.reporter.mfu(metrics["global_rate"]),
         )
         self.history.append(record.to_dict())
         self.reporter.report_epoch(

@@ -1,0 +1,52 @@
+"""observe.flops and observe.chips: the model's FLOPs against published figures, MFU's arithmetic, and the run's record."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fake_runtime import tiny_config
+from tpustream.checkpoint import read_metrics
+from tpustream.observe.chips import CHIPS, Chip, chip_from_accelerator_type, mfu
+from tpustream.observe.flops import forward_flops_per_sample, training_flops_per_sample
+
+
+def test_resnet50_at_224_is_the_published_4_1_g_multiply_adds():
+    """8.18 GFLOPs forward (a multiply-add is two), counted on the meta device; training is 3x that."""
+    import torchvision
+
+    build = torchvision.models.resnet50
+    forward = forward_flops_per_sample(build, (3, 224, 224))
+    assert forward == pytest.approx(8.18e9, rel=0.002)
+    assert training_flops_per_sample(build, (3, 224, 224)) == 3 * forward
+
+
+def test_flops_follow_the_image_size_and_count_attention():
+    """A ViT's count includes its attention matmuls: 4 times the tokens, more than 4 times the FLOPs."""
+    import timm
+
+    def vit(size):
+        return lambda: timm.create_model("vit_tiny_patch16_224", img_size=size, num_classes=10)
+
+    small, large = (forward_flops_per_sample(vit(size), (3, size, size)) for size in (112, 224))
+    assert large > 4 * small
+
+
+def test_mfu_is_model_flops_per_second_over_the_chips_peak():
+    chip = Chip("test", peak_flops=100e12, devices_per_chip=2, source="test")
+    # 8 devices = 4 chips = 400 TFLOP/s peak; 1e9 FLOPs x 100,000 samples/s = 100 TFLOP/s.
+    assert mfu(1e9, 100_000, devices=8, chip=chip) == pytest.approx(0.25)
+    assert chip_from_accelerator_type("v4") is CHIPS["v4"]
+    assert chip_from_accelerator_type("v5litepod-16") is CHIPS["v5e"]
+    assert chip_from_accelerator_type("v3-32").devices_per_chip == 2
+    assert chip_from_accelerator_type("v9") is None and chip_from_accelerator_type(None) is None
+
+
+def test_a_run_records_its_flops_and_on_a_tpu_its_mfu(fake_job, tmp_path):
+    off_tpu, on_tpu = str(tmp_path / "cpu"), str(tmp_path / "tpu")
+    fake_job(tiny_config(off_tpu, epochs=1), model_flops=3_000_000)
+    record = read_metrics(off_tpu)[0]
+    assert record["model_flops_per_sample"] == 3_000_000 and "mfu" not in record  # no chip: no MFU invented
+    fake_job(tiny_config(on_tpu, epochs=1), world_size=2, model_flops=3_000_000, accelerator_type="v3")
+    record = read_metrics(on_tpu)[0]
+    # Two replicas are two v3 TensorCores: one chip.
+    assert record["mfu"] == pytest.approx(3e6 * record["global_rate"] / 123e12)
