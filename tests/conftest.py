@@ -285,8 +285,9 @@ def fake_job(monkeypatch):
     def run(
         cfg, world_size: int = 1, resume_from=None, stop_at=None, trainer_class=None, **extras
     ) -> FakeJob:
-        """extras: accelerator_type (a pretend TPU), model_flops (the trainer's)."""
+        """extras: accelerator_type (a pretend TPU), input_delay (seconds per training batch), model_flops."""
         world = FakeWorld(world_size, accelerator_type=extras.pop("accelerator_type", None))
+        input_delay = extras.pop("input_delay", 0.0)
         monkeypatch.setattr(preemption, "stop_requested", world.stop_requested)
         monkeypatch.setattr(preemption, "request_stop", world.request_stop)
         # Built here, not on the replica threads, which would share torch's seeded generator.
@@ -310,6 +311,7 @@ def fake_job(monkeypatch):
                     seed=cfg.seed,
                     stop_at_batch=stop,
                     draws=draws,
+                    delay=input_delay if shuffle else 0.0,
                 )
 
             build = trainer_class or make_trainer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from tpustream.errors import DataError
+from tpustream.observe.timing import timed
 from tpustream.runtime import to_host
 
 T = TypeVar("T")
@@ -109,9 +111,9 @@ class FakeRuntime:
         self.collectives.append(what)
         return self.world.exchange(self.rank, what, value)
 
-    def device_loader(self, loader) -> Iterator:
+    def device_loader(self, loader, wait=None) -> Iterator:
         # Batches are on the CPU already, and eager ops run when called: no step to mark.
-        yield from loader
+        yield from timed(loader, wait)
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         tensors = [*model.parameters(), *model.buffers()]
@@ -164,6 +166,9 @@ class FakeRuntime:
 
     def compilations(self) -> int:
         return 0
+
+    def compile_seconds(self) -> float:
+        return 0.0
 
 
 def _clone(value: Any) -> Any:
@@ -226,8 +231,10 @@ class MemorySource:
         seed: int = 0,
         stop_at_batch: tuple[int, int] | None = None,
         draws: Callable[[int, np.ndarray], dict[str, torch.Tensor]] | None = None,
+        delay: float = 0.0,
     ):
         self.images, self.labels = images, labels
+        self.delay = delay  # seconds each batch takes to make: a slow input pipeline
         self.draws = draws  # augment.draws.BatchDraws: the device augmentation's, per batch
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.shuffle, self.seed = shuffle, seed
@@ -267,6 +274,7 @@ class MemorySource:
             batch = {"image": self.images[ids], "label": self.labels[ids], "real": real.float()}
             if self.draws is not None:
                 batch.update(self.draws(self.epoch, ids.where(real, -1).numpy()))
+            time.sleep(self.delay)
             yield batch
 
     def raise_if_incomplete(self, split: str) -> None:

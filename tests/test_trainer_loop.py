@@ -31,6 +31,12 @@ METRICS_KEYS = {
     "global_rate",
     "train_filled",
     "lr",
+    "input_wait_fraction",
+    "input_wait_fraction_worst",
+    "input_wait_seconds",
+    "compile_seconds",
+    "step_seconds",
+    "checkpoint_seconds",
     "val_accuracy",
     "val_correct",
     "val_samples",
@@ -101,7 +107,8 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
     )
     assert re.search(
         r"Epoch=1 train: loss=\d\.\d{4} samples=96 \(replica steps 24\) skipped=0 "
-        r"GlobalRate=[\d.]+ time=[\d.]+s "
+        r"GlobalRate=[\d.]+ time=[\d.]+s \(input wait \d+%, worst replica \d+%; "
+        r"compile [\d.]+s, step [\d.]+s, checkpoints [\d.]+s\) "
         r"\| val: accuracy=[\d.]+% \(\d+/18\) top5=100\.00% loss=\d\.\d{4} skipped=0 "
         r"\| best=[\d.]+% \(epoch \d\)",
         text,

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from tpustream.observe.timing import InputWait
+
 
 class Runtime(Protocol):
     device: torch.device
@@ -41,8 +43,11 @@ class Runtime(Protocol):
     def accelerator_type(self) -> str | None:
         """The TPU's accelerator type ("v4", "v5litepod", ...) for MFU; None off TPUs."""
 
-    def device_loader(self, loader: Iterable) -> Iterator:
-        """Iterate loader with batches already on the device (and a step boundary per batch)."""
+    def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
+        """Iterate loader with batches already on the device (and a step boundary per batch).
+
+        wait: gets the time the caller waited for each batch (observe.timing).
+        """
 
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         """Give tensors just copied to the device the placement the step's outputs have.
@@ -92,6 +97,9 @@ class Runtime(Protocol):
 
     def compilations(self) -> int:
         """Graphs compiled so far in this process (for recompilation checks)."""
+
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling so far in this process."""
 
 
 def current_replica() -> tuple[int, int]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from tpustream.observe.timing import InputWait
 
 
 def to_host(value: Any) -> Any:
@@ -36,6 +39,30 @@ class ErrorKeepingIterable:
             yield from self.loader
         except Exception as exc:
             self.error = exc
+
+
+def timed_parallel_loader(
+    source: Iterable, device: torch.device, wait: InputWait | None, **kwargs
+) -> Iterator:
+    """What pl.MpDeviceLoader(source, device, **kwargs) yields, timing each wait on its queue.
+
+    The wait is measured where the training thread blocks for a batch the
+    background thread has not put on the device yet (ParallelLoader.next_item),
+    apart from the step boundary the per-device loader marks before it (which
+    may compile, and is not waiting for input).
+    """
+    import torch_xla.distributed.parallel_loader as pl
+
+    class TimedLoader(pl.ParallelLoader):
+        def next_item(self, device):
+            start = time.perf_counter()
+            item = super().next_item(device)
+            if wait is not None:
+                wait.add(time.perf_counter() - start)
+            return item
+
+    # As MpDeviceLoader: never closed here; a later epoch's iteration makes a new one.
+    return TimedLoader(source, [device], **kwargs).per_device_loader(device)
 
 
 class XlaDevice:
@@ -75,16 +102,14 @@ class XlaDevice:
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass  # one device: a tensor is where it was copied to
 
-    def device_loader(self, loader: Iterable) -> Iterator:
-        import torch_xla.distributed.parallel_loader as pl
-
-        # MpDeviceLoader moves batches on a background thread and marks a step
-        # at every batch, so the training loop never syncs explicitly. If the
-        # loader raises on that thread, torch_xla 2.9 closes the queue as if
+    def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
+        # MpDeviceLoader's ParallelLoader moves batches on a background thread and
+        # marks a step at every batch, so the training loop never syncs explicitly.
+        # If the loader raises on that thread, torch_xla 2.9 closes the queue as if
         # the epoch had ended (and the traceback goes to stderr): catch the
         # error there and raise it here, in the training thread.
         source = ErrorKeepingIterable(loader)
-        yield from pl.MpDeviceLoader(source, self.device)
+        yield from timed_parallel_loader(source, self.device, wait)
         if source.error is not None:
             raise source.error
 
@@ -135,3 +160,9 @@ class XlaDevice:
 
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
+
+    def compile_seconds(self) -> float:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")  # (count, accumulated nanoseconds, samples)
+        return float(data[1]) * 1e-9 if data else 0.0

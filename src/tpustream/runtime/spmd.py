@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tpustream.runtime.device import ErrorKeepingIterable, XlaDevice, to_host
+from tpustream.observe.timing import InputWait
+from tpustream.runtime.device import ErrorKeepingIterable, XlaDevice, timed_parallel_loader, to_host
 from tpustream.runtime.gloo import HostCollectives
 
 
@@ -202,12 +203,10 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         for tensor in tensors:
             xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
 
-    def device_loader(self, loader: Iterable) -> Iterator:
-        import torch_xla.distributed.parallel_loader as pl
-
+    def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
         sharding = _BatchSharding(self.mesh, self.axis)
         source = ErrorKeepingIterable(_NotedBatches(loader, sharding))
-        yield from pl.MpDeviceLoader(source, self.device, input_sharding=sharding)
+        yield from timed_parallel_loader(source, self.device, wait, input_sharding=sharding)
         if source.error is not None:
             raise source.error
 

@@ -49,6 +49,14 @@ class EpochRecord:
     global_rate: float  # samples per second, summed over replicas
     train_filled: int  # real samples bad data took out (padding never counts)
     lr: float  # the learning rate of the epoch's last step
+    # Where the training loop's time went (observe.timing), means over replicas: the share
+    # spent waiting for input (and the worst replica's), seconds compiling, stepping, saving.
+    input_wait_fraction: float | None = None
+    input_wait_fraction_worst: float | None = None
+    input_wait_seconds: float | None = None
+    compile_seconds: float | None = None
+    step_seconds: float | None = None
+    checkpoint_seconds: float | None = None
     val_accuracy: float | None = None
     val_correct: int | None = None
     val_samples: int | None = None
@@ -260,6 +268,13 @@ class EpochReporter:
             f"(replica steps {record.replica_steps}) skipped={record.train_filled} "
             f"GlobalRate={record.global_rate:.1f} time={record.train_seconds:.1f}s"
             + (f" MFU={100 * record.mfu:.1f}%" if record.mfu is not None else "")
+            + (
+                f" (input wait {100 * record.input_wait_fraction:.0f}%, worst replica "
+                f"{100 * record.input_wait_fraction_worst:.0f}%; compile {record.compile_seconds:.1f}s, "
+                f"step {record.step_seconds:.1f}s, checkpoints {record.checkpoint_seconds:.1f}s)"
+                if record.input_wait_fraction is not None
+                else ""
+            )
         )
         top5 = f" top5={100 * record.val_top5:.2f}%" if record.val_top5 is not None else ""
         ema = (
@@ -287,6 +302,16 @@ class EpochReporter:
         }
         if record.mfu is not None:
             values["rate/mfu"] = record.mfu
+        if record.input_wait_fraction is not None:
+            values.update(
+                {
+                    "time/input_wait_fraction": record.input_wait_fraction,
+                    "time/input_wait_fraction_worst": record.input_wait_fraction_worst,
+                    "time/compile_seconds": record.compile_seconds,
+                    "time/step_seconds": record.step_seconds,
+                    "time/checkpoint_seconds": record.checkpoint_seconds,
+                }
+            )
         values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(replica_rates)})
         if record.evaluated:
             values.update({"epoch/val_accuracy": record.val_accuracy, "epoch/val_loss": record.val_loss})

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tpustream import checkpoint, preemption
 from tpustream.augment.transform import DeviceAugment
 from tpustream.config import BestOf, Precision, Strategy, TrainConfig
+from tpustream.observe.timing import LoopTimer, reduce_breakdowns
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
 from tpustream.training.ema import WeightAverage, average_on_host, ema_metrics
@@ -123,6 +124,7 @@ class Trainer:
         self.checkpoints = CheckpointWriter(cfg, runtime)
         self.reporter = EpochReporter(cfg, config_dict, runtime, started_at, model_flops)
         self.replica_rates: list[float] = []
+        self.checkpoint_seconds = 0.0  # saving since the last epoch record (its time breakdown's)
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
         # What this process has run at least once (training, evaluation, an
@@ -238,12 +240,8 @@ class Trainer:
         return batch["label"].shape[0]
 
     def loss_denominator(self) -> int:
-        """The samples one step's gradient averages over, as this replica's share.
-
-        Data parallel: the per-replica batch (xm.optimizer_step then averages
-        replicas). A strategy whose one step sees the whole global batch
-        divides by all of it.
-        """
+        """The samples one step's gradient averages over, as this replica's share: the per-replica
+        batch (xm.optimizer_step averages replicas); all of it for a step over the global batch."""
         return self.cfg.batch_size
 
     def split_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
@@ -293,7 +291,9 @@ class Trainer:
         return first
 
     def _save(self, name: str) -> None:
+        start = time.time()
         self.checkpoints.save(name, self.checkpoint_state())
+        self.checkpoint_seconds += time.time() - start
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """Train the rest of `epoch` from self.step; raises Preempted after saving if asked to stop."""
@@ -306,7 +306,9 @@ class Trainer:
         sums = EpochSums(self.partial, self.runtime)
         check_every = self.stop_check_every()
         save_every = self.cfg.checkpoint.every_n_steps
-        for index, batch in enumerate(self.runtime.device_loader(self.train_loader)):
+        # Where the loop's time goes (observe.timing): measured where the thread blocks, no syncs added.
+        timer = LoopTimer(self.runtime.compile_seconds)
+        for index, batch in enumerate(self.runtime.device_loader(self.train_loader, timer.wait)):
             step = start_step + index
             loss = self.step_fn(batch)
             sums.add(loss, batch)
@@ -334,12 +336,13 @@ class Trainer:
         self.debug.after_train_epoch(self.model, self.global_step, epoch, start_step, sample_ids)
         seconds = sums.seconds()
         loss_total, count = self.runtime.all_reduce_sum([sums.loss_sum, sums.real_count])
+        breakdown, self.checkpoint_seconds = timer.breakdown(self.checkpoint_seconds), 0.0
         per_replica = self.runtime.all_gather_host(
             f"train-epoch-{epoch}",
-            (tracker.global_rate(), self.train_loader.filled, self.train_loader.bad_shards),
+            (tracker.global_rate(), self.train_loader.filled, self.train_loader.bad_shards, breakdown),
         )
-        self.replica_rates = [rate for rate, _, _ in per_replica]
-        self.bad_shards["train"] = first_distinct(url for _, _, urls in per_replica for url in urls)
+        self.replica_rates = [rate for rate, *_ in per_replica]
+        self.bad_shards["train"] = first_distinct(url for _, _, urls, _ in per_replica for url in urls)
         count = int(count.item())
         self.partial = None
         self.step = self.steps_per_epoch
@@ -349,8 +352,9 @@ class Trainer:
             "replica_steps": self.steps_per_epoch,
             "train_seconds": seconds,
             "global_rate": sum(self.replica_rates),
-            "train_filled": sum(filled for _, filled, _ in per_replica) + sums.previous_filled,
+            "train_filled": sum(filled for _, filled, _, _ in per_replica) + sums.previous_filled,
             "lr": self.schedule(self.global_step - 1),
+            **reduce_breakdowns([replica_breakdown for *_, replica_breakdown in per_replica]),
         }
 
     def average_buffers(self) -> None:

@@ -1,4 +1,4 @@
-"""observe.flops and observe.chips: the model's FLOPs against published figures, MFU's arithmetic, and the run's record."""
+"""observe.flops, chips and timing: FLOPs against published figures, MFU, where a loop's time goes."""
 
 from __future__ import annotations
 
@@ -50,3 +50,18 @@ def test_a_run_records_its_flops_and_on_a_tpu_its_mfu(fake_job, tmp_path):
     record = read_metrics(on_tpu)[0]
     # Two replicas are two v3 TensorCores: one chip.
     assert record["mfu"] == pytest.approx(3e6 * record["global_rate"] / 123e12)
+
+
+def test_a_starved_loop_reports_its_input_wait_and_a_fed_one_does_not(fake_job, tmp_path):
+    """The share of the training loop spent waiting for batches, per replica and the worst one."""
+    fed, starved = str(tmp_path / "fed"), str(tmp_path / "starved")
+    fake_job(tiny_config(fed, epochs=1), world_size=2)
+    # 50 ms per batch against steps of a few ms: the loop mostly waits.
+    fake_job(tiny_config(starved, epochs=1), world_size=2, input_delay=0.05)
+    fed_record, starved_record = read_metrics(fed)[0], read_metrics(starved)[0]
+    assert starved_record["input_wait_fraction"] > 0.5
+    assert starved_record["input_wait_seconds"] >= 12 * 0.05  # 12 batches per replica
+    assert fed_record["input_wait_fraction"] < starved_record["input_wait_fraction"] / 2
+    for record in (fed_record, starved_record):
+        assert record["input_wait_fraction"] <= record["input_wait_fraction_worst"] <= 1
+        assert record["step_seconds"] >= 0 and record["compile_seconds"] == 0  # eager: no compiles
