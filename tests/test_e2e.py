@@ -5,6 +5,8 @@ Each run is a real `python train.py` in its own process (xmp.spawn, one replica)
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
 import subprocess
@@ -35,6 +37,8 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
         "epochs=4",
         "debug.metrics=true",
         f"debug.profiler_port={port}",
+        "debug.profile_steps=[25,28]",
+        "debug.profile_eval_epoch=1",
         f"hydra.run.dir={tmp_path}/h1",
     )
     assert first.returncode == 0, first.stderr[-3000:]
@@ -78,6 +82,14 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     )
     assert {"train/loss", "train/lr", "rate/global", "rate/replica_000", "xla/compilations"} <= set(scalars)
     assert {"time/input_wait_fraction", "time/compile_seconds", "time/step_seconds"} <= set(scalars)
+    # debug.profile_*: XLA traces of steps 26-28 and of epoch 1's evaluation, copied into the bucket
+    # where TensorBoard's profile plugin reads them.
+    for name, steps in (("profile-steps-25-28", 3), ("profile-eval-epoch-1", 6)):
+        traces = trace_objects(f"{run}/tensorboard/{name}/plugins/profile/")
+        assert any(url.endswith(".xplane.pb") for url in traces), traces
+        (events,) = [url for url in traces if url.endswith(".trace.json.gz")]
+        recorded = json.loads(gzip.decompress(storage.read_bytes(events)))["traceEvents"]
+        assert sum(e.get("name") == "StepMarker" for e in recorded) >= steps  # one per step at least
 
     second = run_train(*common, "epochs=6", f"hydra.run.dir={tmp_path}/h2")
     assert second.returncode == 0, second.stderr[-3000:]
@@ -90,6 +102,12 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     # The resumed run's events continue the same curves.
     steps = [step for step, _ in bucket_scalars(run, tmp_path / "tb2")["epoch/val_accuracy"]]
     assert steps == [23, 46, 69, 92, 115, 138]
+
+
+def trace_objects(prefix: str) -> list[str]:
+    """Every object under a gs:// prefix, at any depth (a trace's session folder has a timestamp)."""
+    bucket, name = gcs.split_gcs_url(prefix)
+    return [f"gs://{bucket}/{blob.name}" for blob in gcs.gcs_client().list_blobs(bucket, prefix=name)]
 
 
 def bucket_scalars(run: str, local: Path) -> dict[str, list[tuple[int, float]]]:

@@ -78,6 +78,8 @@ def test_a_good_config_prepares_a_plan(prepared):
         ),
         (["strategy=fsdp", "debug.check_sync_every=1"], "every replica holds a different shard"),
         (["debug.profiler_port=70000"], "debug.profiler_port must be a TCP port"),
+        (["debug.profile_steps=[5,5]"], r"debug.profile_steps is \[START, END\] with 1 <= START < END"),
+        (["augment.randaugment=rand-m9-q2"], r"augment.randaugment='rand-m9-q2': unknown section 'q2'"),
         (["xla_cache_dir=gs://bkt/cache"], "the compile cache must be a local folder"),
         (["data.label_key=json:"], "needs a JSON field after 'json:'"),
         (["data.image_key='jpg;'"], "has an empty alternative"),

@@ -192,8 +192,20 @@ class DebugConfig:
     metrics: bool = False
     # Start the torch_xla profiler server on this port + local ordinal (0 = off).
     profiler_port: int = 0
+    # Capture an XLA trace from global step START to END ([START, END], START >= 1: the
+    # END - START steps after the first START) into <output_dir>/tensorboard/ for
+    # TensorBoard's profile plugin / XProf; [] = off. profile_eval_epoch: the same for
+    # the evaluation after that epoch (-1 = off). Master only unless profile_all_replicas.
+    profile_steps: list[int] = field(default_factory=list)
+    profile_eval_epoch: int = -1
+    profile_all_replicas: bool = False
 
     def check(self) -> None:
+        steps = list(self.profile_steps)
+        if steps and not (len(steps) == 2 and 1 <= steps[0] < steps[1]):
+            raise ConfigError(
+                f"debug.profile_steps is [START, END] with 1 <= START < END (global steps), got {steps}"
+            )
         if not 0 <= self.profiler_port < 65536:
             raise ConfigError(f"debug.profiler_port must be a TCP port (0 = off), got {self.profiler_port}")
         for name in ("check_sync_every", "stop_at_step"):

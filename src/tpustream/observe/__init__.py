@@ -2,15 +2,16 @@
 
 - ``tensorboard``: scalars under ``<output_dir>/tensorboard/`` (uploaded for gs://);
 - ``xla``: compile/transfer/fallback metrics and recompile watches;
-- ``profiler``: the XLA profiler server per replica;
+- ``profiler``: the XLA profiler server per replica, traces captured on demand;
 - ``flops``: the model's FLOPs per training sample, counted once on the meta device;
-- ``chips``: TPU peak FLOP/s per chip and model FLOPs utilisation (MFU).
+- ``chips``: TPU peak FLOP/s per chip and model FLOPs utilisation (MFU);
+- ``timing``: where an epoch's time goes (input wait, compile, step, saving).
 
 Nothing here may stop a run. There is no module-level mutable state: on TPU
 v2/v3 replicas are threads of one process, and each builds its own objects.
 """
 
-from tpustream.observe.profiler import start_profiler
+from tpustream.observe.profiler import TraceCapture, start_profiler
 from tpustream.observe.tensorboard import NullTensorBoardLog, TensorBoardLog
 from tpustream.observe.xla import (
     RecompileWatch,
@@ -25,6 +26,7 @@ __all__ = [
     "NullTensorBoardLog",
     "RecompileWatch",
     "TensorBoardLog",
+    "TraceCapture",
     "XlaMetrics",
     "compilation_count",
     "format_bytes",

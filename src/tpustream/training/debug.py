@@ -2,11 +2,13 @@
 
 Recompilations (debug.metrics), replicas that drifted apart
 (debug.check_sync_every), the samples each replica trained on
-(debug.sample_log_dir), and a stop request at a chosen step (debug.stop_at_step).
+(debug.sample_log_dir), a stop request at a chosen step (debug.stop_at_step),
+and XLA traces of chosen steps or an evaluation (debug.profile_*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -27,10 +29,41 @@ log = logging.getLogger("tpustream.training")
 class DebugChecks:
     """One replica's debug checks; the trainer calls them at its step and epoch boundaries."""
 
-    def __init__(self, cfg: DebugConfig, runtime: Runtime):
+    def __init__(self, cfg: DebugConfig, runtime: Runtime, output_dir: str = "."):
         self.cfg = cfg
         self.runtime = runtime
+        self.output_dir = output_dir
         self.watch = observe.RecompileWatch() if cfg.metrics else None
+        self.trace: observe.TraceCapture | None = None
+        self.profiling = cfg.profile_all_replicas or runtime.is_master
+
+    # -- debug.profile_steps / profile_eval_epoch: XLA traces -------------------
+    def _start_trace(self, name: str) -> None:
+        if self.cfg.profile_all_replicas:
+            name = f"{name}/replica-{self.runtime.rank:03d}"
+        self.trace = observe.TraceCapture(self.output_dir, name)
+        self.trace.start()
+
+    def _stop_trace(self, what: str) -> None:
+        if self.trace is None:
+            return
+        self.runtime.wait_device_ops()  # the window's device work belongs in its trace
+        where = self.trace.stop()
+        self.trace = None
+        if where is not None:
+            log.info("XLA trace of %s in %s (TensorBoard's profile plugin)", what, where)
+
+    @contextlib.contextmanager
+    def profiling_evaluation(self, epoch: int, name: str):
+        """debug.profile_eval_epoch: the evaluation of this epoch (the model's, not the average's) traced."""
+        traced = self.profiling and epoch == self.cfg.profile_eval_epoch and name == "model"
+        if traced:
+            self._start_trace(f"profile-eval-epoch-{epoch}")
+        try:
+            yield
+        finally:
+            if traced:
+                self._stop_trace(f"epoch {epoch}'s evaluation")
 
     def watch_compiles(self, phase: str, step: int, first: bool) -> None:
         """debug.metrics: warn from a step closure if this step compiled and was not expected to."""
@@ -41,7 +74,13 @@ class DebugChecks:
         self.runtime.add_step_closure(self.watch.check, (step, phase))
 
     def after_train_step(self, model: nn.Module, global_step: int) -> None:
-        """debug.stop_at_step and the periodic debug.check_sync_every, after step `global_step` ran."""
+        """debug.stop_at_step, profile_steps and check_sync_every, after step `global_step` ran."""
+        if self.profiling and self.cfg.profile_steps:
+            start, end = self.cfg.profile_steps
+            if global_step == start:
+                self._start_trace(f"profile-steps-{start}-{end}")
+            elif global_step == end:
+                self._stop_trace(f"global steps {start + 1} to {end}")
         if global_step == self.cfg.stop_at_step:
             preemption.request_stop()
         if itstime(global_step, self.cfg.check_sync_every):

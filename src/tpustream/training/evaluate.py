@@ -65,21 +65,22 @@ class Evaluator:
         # their own after the loop (a torch.cat there compiled once more).
         counts, loss_sum = device_values(self.runtime, ([0, 0, 0], torch.int32), (0.0, torch.float32))
         start = time.time()
-        for index, batch in enumerate(self.runtime.device_loader(self.loader)):
-            with autocast():
-                logits = model(self.normalize(batch["image"]))
-            real = batch["real"] > 0
-            top1 = (logits.argmax(dim=1).eq(batch["label"]) & real).sum()
-            # k is the logits' static width, so the graph is the same for every batch.
-            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-            top5 = (top.eq(batch["label"].unsqueeze(1)).any(dim=1) & real).sum()
-            counts += torch.stack([top1, top5, real.sum()]).int()
-            loss_sum += (
-                F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
-            ).sum()
-            self.debug.watch_compiles("evaluation", index, first=first and index == 0)
-            if stop(index):
-                return None
+        with self.debug.profiling_evaluation(epoch, name):
+            for index, batch in enumerate(self.runtime.device_loader(self.loader)):
+                with autocast():
+                    logits = model(self.normalize(batch["image"]))
+                real = batch["real"] > 0
+                top1 = (logits.argmax(dim=1).eq(batch["label"]) & real).sum()
+                # k is the logits' static width, so the graph is the same for every batch.
+                top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+                top5 = (top.eq(batch["label"].unsqueeze(1)).any(dim=1) & real).sum()
+                counts += torch.stack([top1, top5, real.sum()]).int()
+                loss_sum += (
+                    F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
+                ).sum()
+                self.debug.watch_compiles("evaluation", index, first=first and index == 0)
+                if stop(index):
+                    return None
         self.loader.raise_if_incomplete("validation")
         counts, loss_sum = self.runtime.all_reduce_sum([counts, loss_sum])
         per_replica = self.runtime.all_gather_host(

@@ -117,7 +117,7 @@ class Trainer:
         )
         self.train_loader = train_loader
         self.val_loader = val_loader
-        self.debug = DebugChecks(cfg.debug, runtime)
+        self.debug = DebugChecks(cfg.debug, runtime, cfg.output_dir)
         self.evaluator = Evaluator(runtime, val_loader, self.normalize, self.debug)
         self.steps_per_epoch = train_loader.steps
         self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
