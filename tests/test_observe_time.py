@@ -65,3 +65,40 @@ def test_a_starved_loop_reports_its_input_wait_and_a_fed_one_does_not(fake_job, 
     for record in (fed_record, starved_record):
         assert record["input_wait_fraction"] <= record["input_wait_fraction_worst"] <= 1
         assert record["step_seconds"] >= 0 and record["compile_seconds"] == 0  # eager: no compiles
+
+
+def records(waits, compilations=(3, 3, 3), saving=0.0):
+    return [
+        {
+            "epoch": epoch,
+            "input_wait_fraction": wait,
+            "input_wait_fraction_worst": min(1.0, wait + 0.05),
+            "compilations": compiled,
+            "checkpoint_seconds": saving,
+            "epoch_seconds": 10.0,
+        }
+        for epoch, (wait, compiled) in enumerate(zip(waits, compilations, strict=True))
+    ]
+
+
+def test_advice_names_what_to_change_only_when_it_applies():
+    from tpustream.observe.advice import advise, suggested_workers
+
+    assert advise(records([0.6, 0.05, 0.04]), num_workers=2, cpus=8) == []  # epoch 0's wait is start-up
+    (finding,) = advise(records([0.6, 0.5, 0.5]), num_workers=2, cpus=8)
+    # Waiting half the time: the input gives half what the device takes; twice the workers, and a margin.
+    assert finding.startswith("input-bound: the training loop waited for batches 50% of the time")
+    assert "raise data.num_workers from 2 to about 5 (this host has 8 vCPUs)" in finding
+    assert suggested_workers(0, 0.9) >= 10 and suggested_workers(4, 0.1) == 6
+    (finding,) = advise(records([0.1, 0.0, 0.0], compilations=(3, 3, 5)))
+    assert finding.startswith("compile-bound: 2 graph(s) compiled after epoch 0 (by epoch 2)")
+    (finding,) = advise(records([0.1, 0.0, 0.0], saving=2.0))
+    assert finding.startswith("host-bound: saving checkpoints took up to 20% of an epoch")
+
+
+def test_a_starved_run_is_told_to_raise_num_workers(fake_job, tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+        fake_job(tiny_config(str(tmp_path / "run"), epochs=2), input_delay=0.05)
+    assert "advice: input-bound" in caplog.text and "raise data.num_workers from" in caplog.text

@@ -21,6 +21,7 @@ import torch
 from tpustream import checkpoint, observe
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
+from tpustream.observe.advice import advise
 from tpustream.observe.chips import chip_from_accelerator_type, mfu
 from tpustream.observe.flops import TRAINING_FACTOR
 from tpustream.runtime import Runtime
@@ -329,9 +330,13 @@ class EpochReporter:
         self.tensorboard.sync()
 
     def write_history(self, history: list[dict[str, Any]]) -> None:
-        """metrics.jsonl, from the master."""
-        if self.runtime.is_master:
-            self._write_run_file(checkpoint.write_metrics, history)
+        """metrics.jsonl, and after the first measured epoch and the last one what to change (master)."""
+        if not self.runtime.is_master:
+            return
+        self._write_run_file(checkpoint.write_metrics, history)
+        if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
+            for finding in advise(history, self.cfg.data.num_workers, os.cpu_count()):
+                log.info("advice: %s", finding)
 
     def _write_run_file(self, writer: Callable[[str, Any], None], content: Any) -> None:
         """metrics.jsonl / config.yaml: useful, but never worth stopping a run for."""

@@ -1,0 +1,79 @@
+"""What to change, from a run's epoch records: one short line per finding, only when it applies.
+
+The same findings at a run's end (the trainer logs them after its first
+measured epoch and when it finishes) and in ``tpustream-report``. Epoch 0 is
+left out when later epochs exist: it compiles and starts the loaders' workers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# A loop waiting for input more than this share of its time is input-bound.
+INPUT_BOUND = 0.2
+# Saving checkpoints for more than this share of the epoch is worth a look.
+CHECKPOINT_HEAVY = 0.1
+# Headroom on the suggested worker count: the measured rates move from epoch to epoch.
+WORKER_MARGIN = 1.25
+
+
+def measured(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The epochs that show steady state: all but epoch 0 when there are others."""
+    return list(records[1:]) if len(records) > 1 else list(records)
+
+
+def suggested_workers(workers: int, wait_fraction: float) -> int:
+    """Workers for the input to keep up with the device.
+
+    Waiting a share f of the loop, the input delivers 1 - f of what the
+    device could take; workers scale the input about linearly (each decodes
+    its own batches), so W / (1 - f) workers, with a margin (W = 0: the main
+    process counts as one).
+    """
+    current = max(workers, 1)
+    return max(current + 1, math.ceil(current * WORKER_MARGIN / max(1.0 - wait_fraction, 0.05)))
+
+
+def advise(
+    records: Sequence[Mapping[str, Any]], num_workers: int | None = None, cpus: int | None = None
+) -> list[str]:
+    """Findings for these epoch records (metrics.jsonl lines); num_workers and cpus when known."""
+    steady = measured(records)
+    if not steady:
+        return []
+    findings = []
+    waits = [r["input_wait_fraction"] for r in steady if r.get("input_wait_fraction") is not None]
+    if waits and sum(waits) / len(waits) > INPUT_BOUND:
+        wait = sum(waits) / len(waits)
+        worst = max(r.get("input_wait_fraction_worst", 0.0) for r in steady)
+        if num_workers is not None:
+            target = suggested_workers(num_workers, wait)
+            room = f" (this host has {cpus} vCPUs)" if cpus else ""
+            change = f"raise data.num_workers from {num_workers} to about {target}{room}"
+        else:
+            change = "raise data.num_workers"
+        findings.append(
+            f"input-bound: the training loop waited for batches {100 * wait:.0f}% of the time "
+            f"(worst replica {100 * worst:.0f}%); {change}, or store fewer bytes per sample"
+        )
+    first = records[0].get("compilations")
+    later = [r for r in records[1:] if r.get("compilations") is not None and first is not None]
+    if later and later[-1]["compilations"] > first:
+        epochs = sorted({r["epoch"] for r in later if r["compilations"] > first})
+        findings.append(
+            f"compile-bound: {later[-1]['compilations'] - first} graph(s) compiled after epoch 0 "
+            f"(by epoch {epochs[0]}); a shape or a constant changed: debug.metrics=true names the step"
+        )
+    saving = [
+        r["checkpoint_seconds"] / r["epoch_seconds"]
+        for r in steady
+        if r.get("checkpoint_seconds") is not None and r.get("epoch_seconds")
+    ]
+    if saving and max(saving) > CHECKPOINT_HEAVY:
+        findings.append(
+            f"host-bound: saving checkpoints took up to {100 * max(saving):.0f}% of an epoch; "
+            "raise checkpoint.every_n_steps (or 0), or save to a closer bucket"
+        )
+    return findings

@@ -1,0 +1,186 @@
+"""tpustream-report RUN_DIR... : a run's epochs as a table, what to change, and its curves as a PNG.
+
+Reads metrics.jsonl (and config.yaml) from local or gs:// run folders, so it
+works on finished, running and preempted runs alike. One folder: a row per
+epoch, the advice, and report.png beside it. Several folders, or a Hydra
+multirun folder (numbered job folders whose .hydra/ names each job's
+output_dir and overrides): a row per run with the config values that differ
+between them, and one plot of all their curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpustream import storage
+from tpustream.observe.advice import advise, measured
+
+
+@dataclass
+class Run:
+    url: str
+    records: list[dict[str, Any]]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def read_yaml(url: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    if not storage.exists(url):
+        return {}
+    loaded = OmegaConf.to_container(OmegaConf.create(storage.read_bytes(url).decode()), resolve=False)
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def read_run(url: str) -> Run:
+    from tpustream.checkpoint import read_metrics
+
+    return Run(url, read_metrics(url), read_yaml(storage.join(url, "config.yaml")))
+
+
+def find_runs(url: str) -> list[Run]:
+    """The run in a run folder, or the runs of a Hydra multirun folder (each job's output_dir)."""
+    if storage.exists(storage.join(url, "metrics.jsonl")):
+        return [read_run(url)]
+    if storage.is_gcs(url) or not os.path.isdir(url):
+        raise FileNotFoundError(f"{url}: no metrics.jsonl (not a run folder, nor a Hydra multirun folder)")
+    runs = []
+    for job in sorted(os.listdir(url), key=lambda name: (len(name), name)):
+        hydra_config = read_yaml(os.path.join(url, job, ".hydra", "config.yaml"))
+        output_dir = hydra_config.get("output_dir")
+        if output_dir and storage.exists(storage.join(str(output_dir), "metrics.jsonl")):
+            runs.append(read_run(str(output_dir)))
+    if not runs:
+        raise FileNotFoundError(f"{url}: no metrics.jsonl in it nor in the output_dir of any job folder")
+    return runs
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def differing(runs: Sequence[Run]) -> list[str]:
+    """Config keys whose values differ between runs (the run's own folders aside: they always do)."""
+    flats = [flatten(run.config) for run in runs]
+    keys = sorted(set().union(*flats) - {"output_dir", "log_dir"})
+    return [key for key in keys if len({repr(flat.get(key)) for flat in flats}) > 1]
+
+
+def percent(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def epoch_table(run: Run) -> str:
+    columns = ("epoch", 5), ("acc", 7), ("top5", 7), ("loss", 8), ("samples/s", 10), ("input", 7), ("MFU", 6)
+    lines = [" ".join(f"{name:>{width}}" for name, width in columns) + " compiles"]
+    for r in run.records:
+        loss = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
+        lines.append(
+            f"{r['epoch']:>5} {percent(r.get('val_accuracy')):>7} {percent(r.get('val_top5')):>7} {loss:>8} "
+            f"{r.get('global_rate', 0):>10.1f} {percent(r.get('input_wait_fraction')):>7} "
+            f"{percent(r.get('mfu')):>6} {r.get('compilations', '-'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def comparison_table(runs: Sequence[Run]) -> str:
+    keys = differing(runs)
+    lines = [f"{'run':<24} {'best acc':>8} {'samples/s':>10} {'input':>7} {'epochs':>6}  differs"]
+    for run in runs:
+        steady = measured(run.records)
+        accuracies = [r["val_accuracy"] for r in run.records if r.get("val_accuracy") is not None]
+        rate = mean([r["global_rate"] for r in steady if r.get("global_rate") is not None])
+        wait = mean([r["input_wait_fraction"] for r in steady if r.get("input_wait_fraction") is not None])
+        flat = flatten(run.config)
+        overrides = " ".join(f"{key}={flat.get(key)}" for key in keys)
+        rate_text = "-" if rate is None else f"{rate:.1f}"
+        lines.append(
+            f"{run.name[:24]:<24} {percent(max(accuracies, default=None)):>8} {rate_text:>10} "
+            f"{percent(wait):>7} {len(run.records):>6}  {overrides}"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: Sequence[Run], url: str) -> None:
+    """Validation accuracy and training loss per epoch, every run in one figure, as a PNG at url."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (accuracy, loss) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        epochs = [r["epoch"] for r in run.records]
+        evaluated = [
+            (r["epoch"], r["val_accuracy"]) for r in run.records if r.get("val_accuracy") is not None
+        ]
+        if evaluated:
+            accuracy.plot(*zip(*evaluated, strict=True), marker="o", label=run.name)
+        loss.plot(epochs, [r["train_loss"] for r in run.records], marker="o", label=run.name)
+    accuracy.set(xlabel="epoch", ylabel="validation accuracy", title="accuracy")
+    loss.set(xlabel="epoch", ylabel="training loss", title="loss")
+    for axes in (accuracy, loss):
+        axes.grid(alpha=0.3)
+    accuracy.legend(fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    storage.write_bytes(url, buffer.getvalue())
+
+
+def report(urls: Sequence[str], plot_url: str | None, draw: bool = True) -> str:
+    runs = [run for url in urls for run in find_runs(url)]
+    if len(runs) == 1:
+        (run,) = runs
+        config = run.config.get("data", {})
+        findings = advise(run.records, config.get("num_workers"))
+        text = f"{run.url}\n{epoch_table(run)}"
+        if findings:
+            text += "\n" + "\n".join(f"advice: {finding}" for finding in findings)
+        target = plot_url or storage.join(run.url, "report.png")
+    else:
+        text = comparison_table(runs)
+        target = plot_url or "tpustream-report.png"
+    if draw and any(run.records for run in runs):
+        plot(runs, target)
+        text += f"\ncurves: {target}"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tpustream-report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run folders (local or gs://) or a Hydra multirun folder")
+    parser.add_argument("--plot", default=None, help="where the PNG goes (default: beside the run, or ./)")
+    parser.add_argument("--no-plot", action="store_true", help="the tables only")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.runs, args.plot, draw=not args.no_plot))
+    except FileNotFoundError as exc:
+        print(f"tpustream-report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
