@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fake_runtime import tiny_config
 from tpustream import storage
-from tpustream.checkpoint import write_config
+from tpustream.checkpoint import write_config, write_metrics
 from tpustream.observe.report import main, report
 
 
+def epoch(number: int, accuracy: float, rate: float, wait: float) -> dict:
+    """A metrics.jsonl line as the trainer writes it (the fields the report reads)."""
+    return {
+        "epoch": number,
+        "train_loss": 2.0 - number,
+        "val_accuracy": accuracy,
+        "val_top5": 0.9,
+        "val_loss": 1.0,
+        "global_rate": rate,
+        "input_wait_fraction": wait,
+        "input_wait_fraction_worst": wait,
+        "compilations": 3,
+        "checkpoint_seconds": 0.1,
+        "epoch_seconds": 10.0,
+    }
+
+
 @pytest.fixture
-def two_runs(fake_job, tmp_path):
+def two_runs(tmp_path):
+    """Two finished runs that differ in data.num_workers: the second waited less for input."""
     runs = []
-    for name, batch in (("small", 4), ("large", 8)):
+    for name, workers, wait in (("w0", 0, 0.6), ("w2", 2, 0.05)):
         run = str(tmp_path / name)
-        cfg = tiny_config(run, epochs=2, batch_size=batch)
-        fake_job(cfg)
+        write_metrics(run, [epoch(0, 0.5, 100.0, 0.7), epoch(1, 0.8, 200.0, wait)])
+        write_config(run, {"output_dir": run, "data": {"num_workers": workers}, "batch_size": 8})
         runs.append(run)
     return runs
 
@@ -27,15 +44,18 @@ def test_one_run_is_a_table_per_epoch_with_its_advice_and_a_png_beside_it(two_ru
     text = capsys.readouterr().out
     assert text.splitlines()[1].split()[:5] == ["epoch", "acc", "top5", "loss", "samples/s"]
     assert [line.split()[0] for line in text.splitlines()[2:4]] == ["0", "1"]
+    assert "advice: input-bound: the training loop waited for batches 60% of the time" in text
+    assert "raise data.num_workers from 0 to about 4" in text
     assert storage.read_bytes(f"{run}/report.png").startswith(b"\x89PNG")
 
 
 def test_runs_are_compared_by_the_config_values_that_differ(two_runs, tmp_path):
     text = report(two_runs, str(tmp_path / "all.png"))
-    header, small, large = text.splitlines()[:3]
+    header, w0, w2 = text.splitlines()[:3]
     assert header.split()[:3] == ["run", "best", "acc"]
-    assert small.startswith("small") and small.endswith("batch_size=4")
-    assert large.startswith("large") and large.endswith("batch_size=8")
+    # Best accuracy, steady rate and input wait (epoch 0 left out), and only what differs.
+    assert w0.split() == ["w0", "80.0%", "200.0", "60.0%", "2", "data.num_workers=0"]
+    assert w2.split() == ["w2", "80.0%", "200.0", "5.0%", "2", "data.num_workers=2"]
     assert (tmp_path / "all.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -44,11 +64,11 @@ def test_a_hydra_multirun_folder_and_a_bucket_run_are_found(two_runs, tmp_path, 
     for number, run in enumerate(two_runs):
         (sweep / str(number) / ".hydra").mkdir(parents=True)
         (sweep / str(number) / ".hydra" / "config.yaml").write_text(f"output_dir: {run}\n")
-    assert report([str(sweep)], None, draw=False).splitlines()[1].startswith("small")
+    assert report([str(sweep)], None, draw=False).splitlines()[1].startswith("w0")
     # A run folder in a bucket (running, finished or preempted alike: metrics.jsonl is enough).
-    remote = f"{bucket}/runs/small"
+    remote = f"{bucket}/runs/w0"
     storage.write_bytes(f"{remote}/metrics.jsonl", storage.read_bytes(f"{two_runs[0]}/metrics.jsonl"))
-    write_config(remote, {"batch_size": 4})
+    write_config(remote, {"batch_size": 8})
     text = report([remote], None)
     assert text.startswith(remote) and storage.exists(f"{remote}/report.png")
 
