@@ -31,6 +31,23 @@ from tpustream.runtime import Runtime
 log = logging.getLogger("tpustream.training")
 
 
+# TensorBoard tag -> EpochRecord field, for the fields an epoch may not have.
+OPTIONAL_SCALARS = {
+    "epoch/val_accuracy": "val_accuracy",
+    "epoch/val_loss": "val_loss",
+    "epoch/val_top5": "val_top5",
+    "epoch/ema_val_accuracy": "ema_val_accuracy",
+    "epoch/ema_val_top5": "ema_val_top5",
+    "epoch/ema_val_loss": "ema_val_loss",
+    "rate/mfu": "mfu",
+    "time/input_wait_fraction": "input_wait_fraction",
+    "time/input_wait_fraction_worst": "input_wait_fraction_worst",
+    "time/compile_seconds": "compile_seconds",
+    "time/step_seconds": "step_seconds",
+    "time/checkpoint_seconds": "checkpoint_seconds",
+}
+
+
 @dataclass(kw_only=True)
 class EpochRecord:
     """One finished epoch: a metrics.jsonl line, and an entry of a checkpoint's "history".
@@ -301,31 +318,11 @@ class EpochReporter:
             "rate/global": record.global_rate,
             "xla/compilations": record.compilations,
         }
-        if record.mfu is not None:
-            values["rate/mfu"] = record.mfu
-        if record.input_wait_fraction is not None:
-            values.update(
-                {
-                    "time/input_wait_fraction": record.input_wait_fraction,
-                    "time/input_wait_fraction_worst": record.input_wait_fraction_worst,
-                    "time/compile_seconds": record.compile_seconds,
-                    "time/step_seconds": record.step_seconds,
-                    "time/checkpoint_seconds": record.checkpoint_seconds,
-                }
-            )
         values.update({f"rate/replica_{rank:03d}": rate for rank, rate in enumerate(replica_rates)})
-        if record.evaluated:
-            values.update({"epoch/val_accuracy": record.val_accuracy, "epoch/val_loss": record.val_loss})
-        if record.val_top5 is not None:
-            values["epoch/val_top5"] = record.val_top5
-        if record.ema_val_accuracy is not None:
-            values.update(
-                {
-                    "epoch/ema_val_accuracy": record.ema_val_accuracy,
-                    "epoch/ema_val_top5": record.ema_val_top5,
-                    "epoch/ema_val_loss": record.ema_val_loss,
-                }
-            )
+        # The record's fields an epoch may lack (no evaluation, no EMA, no TPU, older lines).
+        for tag, name in OPTIONAL_SCALARS.items():
+            if getattr(record, name) is not None:
+                values[tag] = getattr(record, name)
         self.tensorboard.scalars(global_step, values)
         self.tensorboard.sync()
 
