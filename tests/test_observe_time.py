@@ -102,3 +102,11 @@ def test_a_starved_run_is_told_to_raise_num_workers(fake_job, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tpustream.training"):
         fake_job(tiny_config(str(tmp_path / "run"), epochs=2), input_delay=0.05)
     assert "advice: input-bound" in caplog.text and "raise data.num_workers from" in caplog.text
+
+
+def test_a_model_the_counter_cannot_run_gets_no_flops_and_the_run_goes_on(caplog):
+    def broken():
+        raise RuntimeError("no meta kernel for this op")
+
+    assert training_flops_per_sample(broken, (3, 8, 8)) is None
+    assert "model FLOPs not counted (RuntimeError: no meta kernel for this op)" in caplog.text

@@ -10,10 +10,13 @@ the convention of MFU (PaLM, Appendix B; torchprime).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 TRAINING_FACTOR = 3
 
@@ -33,6 +36,13 @@ def forward_flops_per_sample(
     return counter.get_total_flops() // batch
 
 
-def training_flops_per_sample(build: Callable[[], nn.Module], shape: tuple[int, int, int]) -> int:
-    """FLOPs to train on one sample: forward, backward and weight gradients (3 x forward)."""
-    return TRAINING_FACTOR * forward_flops_per_sample(build, shape)
+def training_flops_per_sample(build: Callable[[], nn.Module], shape: tuple[int, int, int]) -> int | None:
+    """FLOPs to train on one sample: forward, backward and weight gradients (3 x forward).
+
+    None, with a warning, if the count fails: a number for the report is never worth a run.
+    """
+    try:
+        return TRAINING_FACTOR * forward_flops_per_sample(build, shape)
+    except Exception as exc:
+        log.warning("model FLOPs not counted (%s: %s); no MFU", exc.__class__.__name__, exc)
+        return None
