@@ -182,7 +182,7 @@ def apply_layer(
     if Op.sharpness in codes and min(images.shape[-2:]) > 2:
         select(Op.sharpness, sharpen(images, rest))
     if Op.posterize in codes:
-        step = torch.exp2(8.0 - per_sample(value))
+        step = per_sample(value)  # 2 ** (8 - bits), a power of two: the division is exact
         select(Op.posterize, (images / step).floor() * step)
     if Op.solarize in codes:
         select(Op.solarize, torch.where(images >= per_sample(value), MAX - images, images))

@@ -81,7 +81,7 @@ class Op(IntEnum):
     color = 3
     contrast = 4
     sharpness = 5
-    posterize = 6  # value: bits kept
+    posterize = 6  # value: the quantisation step, 2 ** (8 - bits kept)
     solarize = 7  # value: threshold (>= it inverts)
     solarize_add = 8  # value: added below 128 (timm's SolarizeAdd)
     autocontrast = 9
@@ -120,6 +120,12 @@ def affine(
     """torchvision's F.affine (corner: center=[0, 0], PIL's origin for shears); F.rotate is angle=-degrees."""
     center = (-width * 0.5, -height * 0.5) if corner else (0.0, 0.0)
     return DeviceOp(Op.affine, inverse_affine_matrix(center, angle, translate, shear))
+
+
+def posterize(bits: int) -> DeviceOp:
+    """Keep `bits` high bits: quantise to steps of 2 ** (8 - bits), the power taken here, on the host
+    (torch.exp2 has no XLA lowering: on the device it fell back to the CPU and cut the step's graph)."""
+    return DeviceOp(Op.posterize, value=float(2 ** (8 - min(max(int(bits), 0), 8))))
 
 
 # -- timm's RandAugment --------------------------------------------------------
@@ -236,7 +242,7 @@ class RandAugment:
         if base == "TranslateYRel":
             return affine(height, width, translate=(0.0, -args[0] * height))
         if base == "Posterize":
-            return DeviceOp(Op.posterize, value=float(min(args[0], 8)))
+            return posterize(args[0])
         if base == "Solarize":
             return DeviceOp(Op.solarize, value=float(args[0]))
         if base == "SolarizeAdd":
@@ -309,7 +315,7 @@ class TrivialAugment:
         if name in ("Brightness", "Color", "Contrast", "Sharpness"):
             return DeviceOp(Op[name.lower()], value=1.0 + magnitude)
         if name == "Posterize":
-            return DeviceOp(Op.posterize, value=float(int(magnitude)))
+            return posterize(int(magnitude))
         if name == "Solarize":
             return DeviceOp(Op.solarize, value=255.0 * magnitude)
         return DeviceOp(
