@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from tpustream import storage
-from tpustream.config import DataConfig
+from tpustream.config import AugmentConfig, DataConfig
 from tpustream.data.format.tar import iter_shard_samples
 from tpustream.data.read.stages import ErrorPolicy, augment_batches, batch_samples, decode_samples
 from tpustream.data.read.stream import ShardStream
@@ -261,8 +261,18 @@ def stock_webdataset(
     return lambda: iter(loader)
 
 
-def make_stream(split, workers: int, shuffle_buffer: int, train: bool = True, **crops: Any) -> ShardStream:
-    """ShardStream as the trainer builds it for one replica (last_batch="drop": every sample distinct)."""
+def make_stream(
+    split,
+    workers: int,
+    shuffle_buffer: int,
+    train: bool = True,
+    augment: AugmentConfig | None = None,
+    **crops: Any,
+) -> ShardStream:
+    """ShardStream as the trainer builds it for one replica (last_batch="drop": every sample distinct).
+
+    augment: the device augmentation whose draws each training batch carries (bench.augment).
+    """
     data = dataclasses.replace(
         DataConfig(),
         num_workers=workers,
@@ -271,7 +281,9 @@ def make_stream(split, workers: int, shuffle_buffer: int, train: bool = True, **
         hflip=True,
         **crops,
     )
-    return ShardStream(split, data, batch_size=BATCH_SIZE, rank=0, world_size=1, train=train, seed=SEED)
+    return ShardStream(
+        split, data, batch_size=BATCH_SIZE, rank=0, world_size=1, train=train, seed=SEED, augment=augment
+    )
 
 
 # ---------------------------------------------------------------------- storage

@@ -20,6 +20,7 @@ from torchvision.io import decode_image, decode_jpeg
 from bench.pipeline import harness
 from bench.pipeline.harness import NUM_CLASSES, SEED, Batch, Config, Epoch, in_batches
 from bench.pipeline.imagenet_data import IMAGE_SIZE, BenchData, image_key
+from tpustream.config import AugmentConfig
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.read.crops import CroppingDecoder
 from tpustream.data.read.loader import make_loader
@@ -121,13 +122,24 @@ def stock_webdataset(data: BenchData, workers: int, train: bool, where: str) -> 
     )
 
 
-def ours(data: BenchData, workers: int, train: bool, where: str, use_dct: bool = True) -> Epoch:
-    """ours-*: ShardStream through make_loader, as the trainer builds it (uint8, normalised on the device)."""
+def ours(
+    data: BenchData,
+    workers: int,
+    train: bool,
+    where: str,
+    use_dct: bool = True,
+    augment: AugmentConfig | None = None,
+) -> Epoch:
+    """ours-*: ShardStream through make_loader, as the trainer builds it (uint8, normalised on the device).
+
+    augment: each training batch also carries the device augmentation's draws (bench.augment).
+    """
     stream = harness.make_stream(
         data.splits[where],
         workers,
         SHUFFLE_BUFFER,
         train,
+        augment,
         train_crop="random_resized",
         eval_crop_ratio=EVAL_CROP_RATIO,
     )
