@@ -122,6 +122,12 @@ def affine(
     return DeviceOp(Op.affine, inverse_affine_matrix(center, angle, translate, shear))
 
 
+def shear(height: int, width: int, factor: float, vertical: bool = False) -> DeviceOp:
+    """PIL's shear (1, f, 0, 0, 1, 0) about the corner, as torchvision's: an affine shear of atan(f)."""
+    degrees = math.degrees(math.atan(factor))
+    return affine(height, width, shear=(0.0, degrees) if vertical else (degrees, 0.0), corner=True)
+
+
 def posterize(bits: int) -> DeviceOp:
     """Keep `bits` high bits: quantise to steps of 2 ** (8 - bits), the power taken here, on the host
     (torch.exp2 has no XLA lowering: on the device it fell back to the CPU and cut the step's graph)."""
@@ -233,10 +239,8 @@ class RandAugment:
             return DeviceOp(Op[base.lower()], value=args[0])
         if base == "Rotate":  # PIL rotates counter-clockwise, as F.rotate
             return affine(height, width, angle=-args[0])
-        if base == "ShearX":  # PIL's (1, f, 0, 0, 1, 0) about the corner: shear atan(f)
-            return affine(height, width, shear=(math.degrees(math.atan(args[0])), 0.0), corner=True)
-        if base == "ShearY":
-            return affine(height, width, shear=(0.0, math.degrees(math.atan(args[0]))), corner=True)
+        if base in ("ShearX", "ShearY"):
+            return shear(height, width, args[0], vertical=base == "ShearY")
         if base == "TranslateXRel":  # PIL samples input(x + pixels): the content moves by -pixels
             return affine(height, width, translate=(-args[0] * width, 0.0))
         if base == "TranslateYRel":
@@ -247,7 +251,7 @@ class RandAugment:
             return DeviceOp(Op.solarize, value=float(args[0]))
         if base == "SolarizeAdd":
             return DeviceOp(Op.solarize_add, value=float(args[0]))
-        return DeviceOp({"AutoContrast": Op.autocontrast, "Equalize": Op.equalize, "Invert": Op.invert}[base])
+        return DeviceOp(CODES[base])  # AutoContrast, Equalize, Invert: no argument
 
 
 def _negate(value: float, rng: np.random.Generator) -> float:
@@ -302,10 +306,8 @@ class TrivialAugment:
     def to_device(layer: tuple[str, float], height: int, width: int) -> DeviceOp:
         """torchvision's _AutoAugmentBase._apply_image_or_video_transform for this op and magnitude."""
         name, magnitude = layer
-        if name == "ShearX":
-            return affine(height, width, shear=(math.degrees(math.atan(magnitude)), 0.0), corner=True)
-        if name == "ShearY":
-            return affine(height, width, shear=(0.0, math.degrees(math.atan(magnitude))), corner=True)
+        if name in ("ShearX", "ShearY"):
+            return shear(height, width, magnitude, vertical=name == "ShearY")
         if name == "TranslateX":
             return affine(height, width, translate=(float(int(magnitude)), 0.0))
         if name == "TranslateY":
@@ -318,9 +320,7 @@ class TrivialAugment:
             return posterize(int(magnitude))
         if name == "Solarize":
             return DeviceOp(Op.solarize, value=255.0 * magnitude)
-        return DeviceOp(
-            {"Identity": Op.identity, "AutoContrast": Op.autocontrast, "Equalize": Op.equalize}[name]
-        )
+        return DeviceOp(CODES[name])  # Identity, AutoContrast, Equalize: no argument
 
 
 # Library op names -> the device's codes (the geometric ones all warp).

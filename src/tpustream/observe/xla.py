@@ -120,6 +120,13 @@ def compilation_count() -> int:
     return _metric_count_and_total(met, "CompileTime")[0]
 
 
+def compile_seconds() -> float:
+    """Seconds XLA has spent compiling in this process."""
+    import torch_xla.debug.metrics as met
+
+    return _metric_count_and_total(met, "CompileTime")[1] * NANOSECONDS
+
+
 class RecompileWatch:
     """Warns when XLA compiles a graph it was not expected to: a shape or a constant changed.
 

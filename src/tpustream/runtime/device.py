@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tpustream.observe.timing import InputWait
+from tpustream.observe.xla import compilation_count, compile_seconds
 
 
 def to_host(value: Any) -> Any:
@@ -156,13 +157,7 @@ class XlaDevice:
         xm.wait_device_ops()
 
     def compilations(self) -> int:
-        import torch_xla.debug.metrics as met
-
-        data = met.metric_data("CompileTime")
-        return int(data[0]) if data else 0
+        return compilation_count()
 
     def compile_seconds(self) -> float:
-        import torch_xla.debug.metrics as met
-
-        data = met.metric_data("CompileTime")  # (count, accumulated nanoseconds, samples)
-        return float(data[1]) * 1e-9 if data else 0.0
+        return compile_seconds()
