@@ -178,7 +178,7 @@ def request_stop() -> None:
 
 
 def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> None:
-    """Stop this process if the process that started it dies.
+    """Stop this process if the process that started it (or `parent`) dies.
 
     A replica is the child of train.py (xmp.spawn, or the simulated pod). If
     train.py is killed outright (SIGKILL, OOM), nothing tells its children;
@@ -189,17 +189,33 @@ def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> No
     """
     import os
 
-    # A child that starts slowly (a DataLoader worker importing torch) may
-    # find its parent already gone and adopted by init; so callers that know
-    # the parent's pid pass it instead of trusting getppid() at start.
+    # A child that starts slowly may find its parent already gone and adopted
+    # by init; so callers that know the parent's pid pass it instead of
+    # trusting getppid() at start. A DataLoader worker's parent is the
+    # replica's fork server, not the replica: it watches the replica itself.
     parent = os.getppid() if parent is None else parent
-    if os.getppid() != parent:
+    if os.getppid() == parent:
+
+        def alive() -> bool:
+            return os.getppid() == parent
+    else:
+
+        def alive() -> bool:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:  # alive, another user's (a reused pid): count as alive
+                return True
+            return True
+
+    if not alive():
         os._exit(1)
 
     def watch() -> None:
         while True:
             time.sleep(poll_seconds)
-            if os.getppid() != parent:
+            if not alive():
                 log.error("the process that started this one (pid %d) is gone; stopping", parent)
                 logging.shutdown()
                 os._exit(1)

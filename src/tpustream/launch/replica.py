@@ -64,7 +64,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     """Build the data, model and trainer of one replica and train."""
     import torch
 
-    from tpustream.data.read.loader import make_loader
+    from tpustream.data.read.loader import close_loaders, make_loader
     from tpustream.data.read.stream import ShardStream
     from tpustream.observe import start_profiler
     from tpustream.observe.flops import training_flops_per_sample
@@ -165,8 +165,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
         summary = trainer.fit()
     finally:
-        train_loader.close()
-        val_loader.close()
+        close_loaders(train_loader, val_loader)
         del profiler
     if runtime.is_master and not cfg.eval_only:
         if summary["best_epoch"] >= 0:
