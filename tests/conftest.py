@@ -285,13 +285,15 @@ def fake_job(monkeypatch):
     def run(
         cfg, world_size: int = 1, resume_from=None, stop_at=None, trainer_class=None, **extras
     ) -> FakeJob:
-        """extras: accelerator_type (a pretend TPU), input_delay (seconds per training batch), model_flops."""
+        """extras: accelerator_type (a pretend TPU), input_delay (seconds per training batch), model_flops,
+        model (a function building each replica's model; tiny_model)."""
         world = FakeWorld(world_size, accelerator_type=extras.pop("accelerator_type", None))
         input_delay = extras.pop("input_delay", 0.0)
+        build_model = extras.pop("model", tiny_model)
         monkeypatch.setattr(preemption, "stop_requested", world.stop_requested)
         monkeypatch.setattr(preemption, "request_stop", world.request_stop)
         # Built here, not on the replica threads, which would share torch's seeded generator.
-        models = [tiny_model() for _ in range(world_size)]
+        models = [build_model() for _ in range(world_size)]
         trainers: list[Any] = [None] * world_size
 
         def replica(runtime):

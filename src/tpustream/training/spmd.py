@@ -69,6 +69,9 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, runtime: SpmdRuntime
 class SpmdTrainer(Trainer):
     """strategy=spmd: data parallel over the mesh, in one program."""
 
+    # One program: one set of BatchNorm statistics, one device generator.
+    per_replica_state = False
+
     def loss_denominator(self) -> int:
         # The step sees the global batch at once; nothing averages afterwards.
         return self.cfg.batch_size * self.runtime.num_devices

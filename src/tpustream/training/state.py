@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tpustream import checkpoint
-from tpustream.config import TrainConfig
+from tpustream.config import Strategy, TrainConfig
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
 
@@ -72,6 +72,7 @@ class TrainState:
         rng: dict[str, Any],
         data_plan: dict[str, int],
         config: dict[str, Any],
+        replicas: list[Any] | None = None,
     ) -> dict[str, Any]:
         """The checkpoint's content (checkpoint.save_checkpoint adds version and integrity)."""
         return {
@@ -89,6 +90,8 @@ class TrainState:
             "optimizer": optimizer,
             "strategy": strategy,
             "rng": rng,
+            # With several replicas: each one's generators and BatchNorm statistics (training.replicas).
+            **({} if replicas is None else {"replicas": replicas}),
             "data_plan": data_plan,
             "config": config,
             "config_fingerprint": checkpoint.config_fingerprint(config),
@@ -281,6 +284,26 @@ class CheckpointWriter:
                 f"{len(self.unsaved)} checkpoint(s) could not be written to {self.output_dir}; "
                 f"kept locally: {', '.join(self.unsaved)}"
             )
+
+
+# Strategies whose checkpoints hold the optimizer state of the whole model,
+# parameter by parameter in model order: they resume one another's.
+PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
+
+
+def plain_optimizer_state_fits(state: dict[str, Any], strategy: Strategy, source: str) -> bool:
+    """Whether a checkpoint's optimizer state fits a plain-layout run; says why not if not."""
+    written_by = state.get("strategy", Strategy.ddp.value)
+    if written_by == strategy.value or {written_by, strategy.value} <= PLAIN_LAYOUT:
+        return True
+    log.warning(
+        "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
+        "starts fresh (model weights and training position are restored)",
+        source,
+        written_by,
+        strategy.value,
+    )
+    return False
 
 
 def capture_rng(runtime: Runtime) -> dict[str, Any]:

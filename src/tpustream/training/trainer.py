@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tpustream import checkpoint, preemption
 from tpustream.augment.transform import DeviceAugment
-from tpustream.config import BestOf, Precision, Strategy, TrainConfig
+from tpustream.config import BestOf, Precision, TrainConfig
 from tpustream.observe.timing import LoopTimer, reduce_breakdowns
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
@@ -33,6 +33,7 @@ from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
 from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state, set_learning_rate
 from tpustream.training.periodic import itstime
+from tpustream.training.replicas import floating_buffers, gather_replica_parts, restore_replica_part
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
 from tpustream.training.source import EpochSource
 from tpustream.training.state import (
@@ -41,12 +42,9 @@ from tpustream.training.state import (
     ProgressAttribute,
     TrainState,
     capture_rng,
+    plain_optimizer_state_fits,
     restore_rng,
 )
-
-# Strategies whose checkpoints hold the optimizer state of the whole model,
-# parameter by parameter in model order: they resume one another's.
-PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
@@ -63,6 +61,8 @@ class Trainer:
     Built once per replica; the same code on a TPU pod and in the simulation.
     """
 
+    # Whether each replica's generators and BatchNorm statistics are its own (training.replicas).
+    per_replica_state = True
     # The training position and sums: what last.pt saves (training.state).
     epoch = ProgressAttribute()
     step = ProgressAttribute()
@@ -138,6 +138,8 @@ class Trainer:
             runtime.broadcast_parameters(average)
             average = self.wrap_model(average, announce=False)
             self.ema = WeightAverage(cfg.ema, average, runtime, self.global_step)
+        if resume_from is not None and self.per_replica_state:
+            restore_replica_part(resume_from[0].get("replicas"), runtime, self.buffer_modules())
 
     # -- hooks: the strategy -------------------------------------------------
     def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
@@ -159,17 +161,8 @@ class Trainer:
         return module.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
-        written_by, mine = state.get("strategy", Strategy.ddp.value), self.cfg.strategy.value
-        if not (written_by == mine or {written_by, mine} <= PLAIN_LAYOUT):
-            log.warning(
-                "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
-                "starts fresh (model weights and training position are restored)",
-                source,
-                written_by,
-                mine,
-            )
-            return
-        self.optimizer.load_state_dict(state["optimizer"])
+        if plain_optimizer_state_fits(state, self.cfg.strategy, source):
+            self.optimizer.load_state_dict(state["optimizer"])
 
     # -- state ------------------------------------------------------------
     def data_plan(self) -> dict[str, int]:
@@ -183,10 +176,15 @@ class Trainer:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What last.pt and best.pt hold now (a collective for sharded strategies)."""
+        """What last.pt and best.pt hold now (a collective)."""
         model_state, optimizer_state = self.model_and_optimizer_state()
         ema = None if self.ema is None else self.whole_state(self.ema.module, f"ema-{self.global_step}")
+        tag = f"replicas-{self.global_step}"
+        replicas = (
+            gather_replica_parts(self.runtime, self.buffer_modules(), tag) if self.per_replica_state else None
+        )
         return self.train_state.to_checkpoint(
+            replicas=replicas,
             model=model_state,
             ema=ema,
             optimizer=optimizer_state,
@@ -367,11 +365,13 @@ class Trainer:
         """
         if self.runtime.world_size == 1:
             return
-        # The average's too: each replica moved it towards its own statistics.
-        modules = [self.model] if self.ema is None else [self.model, self.ema.module]
-        buffers = [b for module in modules for b in module.buffers() if b.is_floating_point()]
+        buffers = floating_buffers(self.buffer_modules())
         for buffer, total in zip(buffers, self.runtime.all_reduce_sum(buffers), strict=True):
             buffer.copy_(total / self.runtime.world_size)
+
+    def buffer_modules(self) -> list[nn.Module]:
+        """Modules whose BatchNorm statistics each replica updates: the model and its average."""
+        return [self.model] if self.ema is None else [self.model, self.ema.module]
 
     def should_evaluate(self, epoch: int) -> bool:
         """eval_every: every N epochs and after the last; never with 0."""
