@@ -13,11 +13,13 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
 
-from tests.fake_runtime import tiny_config
+from tests.fake_runtime import FakeRuntime, FakeWorld, tiny_config
 from tpustream.checkpoint import BEST, LAST, METRICS, checkpoint_url, load_checkpoint, read_metrics
 from tpustream.preemption import Preempted
 from tpustream.training import Trainer
+from tpustream.training.replicas import restore_replica_part
 
 # 96 training samples in batches of 4: 24 steps on 1 replica, 12 on 2, 8 on 3.
 TRAIN_SAMPLES, VAL_SAMPLES = 96, 18
@@ -103,7 +105,7 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
     assert best["epoch"] == summary["best_epoch"]
     text = caplog.text
     assert re.search(
-        r"Training Device=xla:0/1 Epoch=0 Step=0 Loss=\d+\.\d{5} Rate=[\d.]+ GlobalRate=[\d.]+", text
+        r"Training Device=cpu:0/1 Epoch=0 Step=0 Loss=\d+\.\d{5} Rate=[\d.]+ GlobalRate=[\d.]+", text
     )
     assert re.search(
         r"Epoch=1 train: loss=\d\.\d{4} samples=96 \(replica steps 24\) skipped=0 "
@@ -178,6 +180,38 @@ def test_a_mid_epoch_checkpoint_holds_every_replicas_sums_and_resuming_completes
         assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-6)
     assert_same_weights(run, straight)
+
+
+def batch_norm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
+def test_each_replica_resumes_its_own_batch_norm_statistics_mid_epoch(fake_job, tmp_path):
+    # Each replica updates BatchNorm's running statistics from its own batches until the
+    # epoch's end averages them: a mid-epoch checkpoint holds every replica's.
+    straight, run = str(tmp_path / "straight"), str(tmp_path / "run")
+    fake_job(tiny_config(straight), world_size=2, model=batch_norm_model)
+    fake_job(tiny_config(run), world_size=2, stop_at=(1, "train", 1, 3), model=batch_norm_model)
+    saved = load_checkpoint(checkpoint_url(run, LAST))
+    own = [part["buffers"] for part in saved["replicas"]]
+    assert len(own) == 2 and not torch.equal(own[0][0], own[1][0])  # running means differ mid-epoch
+    resumed = fake_job(tiny_config(run), world_size=2, resume_from=resume_from(run), model=batch_norm_model)
+    assert all(isinstance(r, dict) for r in resumed.results), resumed.results
+    assert_same_weights(run, straight)  # buffers included: the state_dict holds them
+
+
+def test_on_another_world_size_replicas_start_from_the_saved_statistics_average():
+    model = batch_norm_model()
+    parts = [
+        {"rng": None, "buffers": [torch.full((16,), 1.0), torch.full((16,), 3.0)]},
+        {"rng": None, "buffers": [torch.full((16,), 3.0), torch.full((16,), 6.0)]},
+    ]
+    restore_replica_part(parts, FakeRuntime(FakeWorld(1), 0), [model])
+    assert torch.equal(model[2].running_mean, torch.full((16,), 2.0))
+    assert torch.equal(model[2].running_var, torch.full((16,), 4.5))
 
 
 def test_a_stop_while_evaluating_keeps_the_trained_epoch_and_resuming_only_evaluates(

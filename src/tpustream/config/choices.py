@@ -41,11 +41,22 @@ class IndexMode(str, Enum):
 class Device(str, Enum):
     CPU = "CPU"
     TPU = "TPU"
+    CUDA = "CUDA"  # NVIDIA GPUs, with accelerator.runtime=native only
+
+
+class RuntimeKind(str, Enum):
+    """What runs the replicas' tensors: torch_xla, or PyTorch itself."""
+
+    xla = "xla"  # an XLA device per replica (TPU core, XLA CPU device) or a GSPMD mesh
+    native = "native"  # PyTorch without torch_xla: a process per GPU (CUDA) or per CPU replica
 
 
 class Collectives(str, Enum):
     xla = "xla"  # torch_xla collectives across the XLA devices of an xmp.spawn job (TPU, one CPU device)
-    gloo = "gloo"  # a simulated pod: one process per replica, each its own XLA CPU device, over gloo
+    # torch.distributed over gloo: the simulated pod (runtime=xla: each process its own
+    # XLA CPU device) or CPU replicas of runtime=native.
+    gloo = "gloo"
+    nccl = "nccl"  # torch.distributed over NCCL between GPUs (runtime=native, device=CUDA)
 
 
 class Precision(str, Enum):

@@ -21,6 +21,7 @@ from tpustream.config.choices import (
     LastBatch,
     OnError,
     Precision,
+    RuntimeKind,
     Strategy,
     TrainCrop,
 )
@@ -132,15 +133,18 @@ class DataConfig:
 
 @dataclass
 class AcceleratorConfig:
-    """Which XLA device type to run on and how many replicas per host."""
+    """Which device type to run on, through which runtime, and how many replicas per host."""
 
     device: Device = Device.CPU
-    # Replicas on this host: null = one per XLA device, 1 = a single process.
+    # Replicas on this host: null = one per device (XLA device, GPU), 1 = a single process.
     # XLA:CPU has no working cross-process collectives (pytorch/xla#9089), so
     # CPU allows 1, N with collectives=gloo (the simulated pod), or N virtual
     # devices in one process with strategy=spmd / spmd_fsdp.
     num_devices: int | None = None
     collectives: Collectives = Collectives.xla
+    # xla: torch_xla runs the replicas' tensors; native: PyTorch alone (device=CUDA,
+    # or CPU processes over gloo), without importing torch_xla.
+    runtime: RuntimeKind = RuntimeKind.xla
     # Run the single replica inside this process instead of a spawned child (debuggers).
     in_process: bool = False
 

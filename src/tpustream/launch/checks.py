@@ -22,6 +22,7 @@ from tpustream.config import (
     SPMD_STRATEGIES,
     Collectives,
     Device,
+    RuntimeKind,
     Strategy,
     TrainConfig,
     TrainCrop,
@@ -54,7 +55,8 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
             OmegaConf.update(
                 cfg, key, [storage.absolute(v) if isinstance(v, str) else v for v in value], merge=False
             )
-    cfg.xla_cache_dir = resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
+    native = cfg.accelerator.runtime == RuntimeKind.native
+    cfg.xla_cache_dir = None if native else resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
     try:
         typed: TrainConfig = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -156,7 +158,18 @@ def check_environment() -> None:
 
 
 def check_accelerator_present(cfg: TrainConfig) -> None:
-    """accelerator=tpu on a machine without TPU chips: say so now, not from N failed replicas."""
+    """accelerator=tpu or cuda on a machine without the device: say so now, not from N failed replicas."""
+    if cfg.accelerator.device == Device.CUDA:
+        gpus = local_gpus()
+        wanted = cfg.accelerator.num_devices
+        if gpus == 0:
+            raise ConfigError(
+                "accelerator=cuda, but PyTorch sees no GPU here (torch.cuda.device_count() is 0); "
+                "use accelerator=cpu_eager or accelerator=cpu"
+            )
+        if wanted is not None and wanted > gpus:
+            raise ConfigError(f"accelerator.num_devices={wanted}, but this machine has {gpus} GPU(s)")
+        return
     if cfg.accelerator.device != Device.TPU:
         return
     from tpustream.runtime import count_tpu_chips
@@ -184,7 +197,44 @@ def check_run_folders(cfg: TrainConfig) -> None:
 def check_config(cfg: TrainConfig) -> None:
     """Checks that need no data and no device: each section's own (TrainConfig.check), then across them."""
     cfg.check()
+    if cfg.accelerator.runtime == RuntimeKind.native:
+        check_native(cfg)
+    else:
+        _check_xla_accelerator(cfg)
+    if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
+        raise ConfigError(
+            f"debug.check_sync_every compares the replicas' copies of the model; strategy="
+            f"{cfg.strategy.value} runs one program with one model"
+        )
+    if cfg.strategy == Strategy.fsdp:
+        if cfg.accelerator.collectives == Collectives.gloo:
+            raise ConfigError(
+                "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
+                "pod (accelerator=cpu_pod) runs strategy=ddp only"
+            )
+        if cfg.debug.check_sync_every:
+            raise ConfigError(
+                "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
+                "replica holds a different shard"
+            )
+        if cfg.optim.layer_decay_on():
+            # Its flat shards are new parameters named per FSDP unit; spmd_fsdp keeps the model's.
+            raise ConfigError(
+                f"optim.layer_decay={cfg.optim.layer_decay} groups parameters by layer name, which "
+                "strategy=fsdp's shards lose; use strategy=spmd_fsdp, or optim.layer_decay=0"
+            )
+
+
+def _check_xla_accelerator(cfg: TrainConfig) -> None:
+    """What xmp.spawn, the simulated pod and the GSPMD mesh each allow."""
     acc = cfg.accelerator
+    if acc.device == Device.CUDA:
+        raise ConfigError(
+            "accelerator.device=CUDA runs native PyTorch (accelerator=cuda): torch_xla's CUDA plugin "
+            "is not installed with tpustream"
+        )
+    if acc.collectives == Collectives.nccl:
+        raise ConfigError("accelerator.collectives=nccl is for accelerator=cuda (accelerator.runtime=native)")
     if acc.collectives == Collectives.gloo:
         if acc.device != Device.CPU:
             raise ConfigError(
@@ -220,27 +270,34 @@ def check_config(cfg: TrainConfig) -> None:
             f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
             "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
         )
-    if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
+
+
+def check_native(cfg: TrainConfig) -> None:
+    """accelerator.runtime=native (cuda, cpu_eager): PyTorch's own devices and torch.distributed."""
+    acc = cfg.accelerator
+    if acc.device == Device.TPU:
+        raise ConfigError("TPUs run through torch_xla: accelerator.runtime=xla (accelerator=tpu)")
+    wanted = Collectives.nccl if acc.device == Device.CUDA else Collectives.gloo
+    if acc.collectives != wanted:
         raise ConfigError(
-            f"debug.check_sync_every compares the replicas' copies of the model; strategy="
-            f"{cfg.strategy.value} runs one program with one model"
+            f"accelerator.collectives={acc.collectives.value}: native PyTorch on {acc.device.value} "
+            f"reduces over {wanted.value}"
         )
-    if cfg.strategy == Strategy.fsdp:
-        if acc.collectives == Collectives.gloo:
+    if cfg.strategy != Strategy.ddp:
+        raise ConfigError(
+            f"strategy={cfg.strategy.value} is torch_xla's (accelerator.runtime=xla); "
+            "accelerator.runtime=native runs strategy=ddp"
+        )
+    debug = cfg.debug
+    for name, on in (
+        ("debug.metrics", debug.metrics),
+        ("debug.profiler_port", debug.profiler_port),
+        ("debug.profile_steps", bool(debug.profile_steps)),
+        ("debug.profile_eval_epoch", debug.profile_eval_epoch >= 0),
+    ):
+        if on:
             raise ConfigError(
-                "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
-                "pod (accelerator=cpu_pod) runs strategy=ddp only"
-            )
-        if cfg.debug.check_sync_every:
-            raise ConfigError(
-                "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
-                "replica holds a different shard"
-            )
-        if cfg.optim.layer_decay_on():
-            # Its flat shards are new parameters named per FSDP unit; spmd_fsdp keeps the model's.
-            raise ConfigError(
-                f"optim.layer_decay={cfg.optim.layer_decay} groups parameters by layer name, which "
-                "strategy=fsdp's shards lose; use strategy=spmd_fsdp, or optim.layer_decay=0"
+                f"{name} reads torch_xla's metrics and profiler; not with accelerator.runtime=native"
             )
 
 
@@ -306,12 +363,30 @@ def check_data(
         plan_layout(train.num_samples, batch, world_size, cfg.data.last_batch, "train")
 
 
+def local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def native_processes(cfg: TrainConfig) -> int:
+    """Replica processes on this machine under accelerator.runtime=native (null on CUDA: every GPU)."""
+    acc = cfg.accelerator
+    if acc.num_devices is not None:
+        return acc.num_devices
+    return local_gpus() if acc.device == Device.CUDA else 1
+
+
 def known_world_size(cfg: TrainConfig) -> int | None:
     """The number of replicas if it is known before spawning (not on TPU: the pod decides).
 
     Under strategy=spmd / spmd_fsdp a replica is a host's process (one on CPU).
     """
     acc = cfg.accelerator
+    if acc.runtime == RuntimeKind.native:
+        from tpustream.launch.hosts import native_hosts
+
+        return native_hosts(native_processes(cfg)).world_size
     if acc.collectives == Collectives.gloo:
         return acc.num_devices
     if acc.device == Device.CPU or acc.num_devices == 1:

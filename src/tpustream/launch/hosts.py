@@ -28,12 +28,17 @@ INDEX_POLL_SECONDS = 5.0
 
 
 def host_index() -> int:
-    """This host's index in a multi-host pod (0 when alone), as the pod launcher sets it."""
-    value = os.environ.get("TPUSTREAM_HOST_INDEX", "0")
+    """This host's index in a multi-host job (0 when alone).
+
+    As the pod launcher sets it (TPUSTREAM_HOST_INDEX), else a native job's
+    NODE_RANK (torchrun's convention).
+    """
+    name = "TPUSTREAM_HOST_INDEX" if "TPUSTREAM_HOST_INDEX" in os.environ else "NODE_RANK"
+    value = os.environ.get(name) or "0"
     try:
         return int(value)
     except ValueError:
-        raise ConfigError(f"TPUSTREAM_HOST_INDEX={value!r}: expected a host number") from None
+        raise ConfigError(f"{name}={value!r}: expected a host number") from None
 
 
 def index_wait_seconds() -> float:
@@ -71,3 +76,63 @@ def load_split_on_this_host(
             )
         sleep(INDEX_POLL_SECONDS)
         raise_if_stop_requested("while waiting for pod host 0's index")
+
+
+# -- a native PyTorch job's machines (accelerator=cuda, cpu_eager) ----------------
+
+# torchrun's default rendezvous port.
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeHosts:
+    """Where this machine's replica processes sit in a native job, and how they meet."""
+
+    node_rank: int
+    nodes: int
+    per_node: int
+    init_method: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = minimum - 1
+    if number < minimum:
+        raise ConfigError(f"{name}={value!r}: expected a whole number >= {minimum}")
+    return number
+
+
+def native_hosts(per_node: int) -> NativeHosts:
+    """This machine's part, from the variables torchrun's launch uses.
+
+    Alone (no MASTER_ADDR): this machine's processes meet on 127.0.0.1 at a
+    free port. Several machines: every one runs the same train.py command with
+    MASTER_ADDR and MASTER_PORT (node 0's address), NNODES and its own
+    NODE_RANK; WORLD_SIZE, when set, must be NNODES x processes per machine.
+    """
+    from tpustream.runtime.gloo import free_port
+
+    address = os.environ.get("MASTER_ADDR", "")
+    if not address:
+        return NativeHosts(0, 1, per_node, f"tcp://127.0.0.1:{free_port()}")
+    nodes = _env_int("NNODES", 1, 1)
+    node_rank = _env_int("NODE_RANK", 0, 0)
+    if node_rank >= nodes:
+        raise ConfigError(f"NODE_RANK={node_rank} with NNODES={nodes}: node ranks run 0..{nodes - 1}")
+    world = _env_int("WORLD_SIZE", nodes * per_node, 1)
+    if world != nodes * per_node:
+        raise ConfigError(
+            f"WORLD_SIZE={world}, but NNODES={nodes} x {per_node} replica process(es) per machine "
+            f"= {nodes * per_node}; unset WORLD_SIZE or set accelerator.num_devices"
+        )
+    port = _env_int("MASTER_PORT", DEFAULT_MASTER_PORT, 1)
+    return NativeHosts(node_rank, nodes, per_node, f"tcp://{address}:{port}")

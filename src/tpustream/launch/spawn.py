@@ -8,7 +8,9 @@ Three ways to run replicas, chosen from the config by ``way_of_running``:
 - ``gloo``: the simulated pod (accelerator=cpu_pod), a process per replica on
   this machine, each with its own XLA CPU device, collectives over gloo;
 - ``spmd``: strategy=spmd / spmd_fsdp, one process for all of this host's
-  devices, one GSPMD program over the global mesh.
+  devices, one GSPMD program over the global mesh;
+- ``native``: PyTorch without torch_xla (accelerator=cuda, cpu_eager), a
+  process per GPU or CPU replica, collectives over NCCL or gloo.
 
 Every replica process goes through ``replica_process``: its logging, stop
 handling, death with its parent, and the one way a failure is reported.
@@ -25,8 +27,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tpustream.config import SPMD_STRATEGIES, Collectives, Device, Strategy, TrainConfig
+from tpustream.config import SPMD_STRATEGIES, Collectives, Device, RuntimeKind, Strategy, TrainConfig
 from tpustream.errors import TpustreamError
+from tpustream.launch.checks import native_processes
+from tpustream.launch.hosts import NativeHosts, native_hosts
 from tpustream.launch.plan import RunPlan, read_final_metrics
 from tpustream.launch.replica import run_replica
 from tpustream.logs import setup_replica_logging
@@ -39,6 +43,8 @@ SPMD_AXIS = {Strategy.spmd: "data", Strategy.spmd_fsdp: "fsdp"}
 
 
 def way_of_running(cfg: TrainConfig) -> str:
+    if cfg.accelerator.runtime == RuntimeKind.native:
+        return "native"
     if cfg.strategy in SPMD_STRATEGIES:
         return "spmd"
     if cfg.accelerator.collectives == Collectives.gloo:
@@ -48,6 +54,8 @@ def way_of_running(cfg: TrainConfig) -> str:
 
 def configure_device_environment(cfg: TrainConfig) -> None:
     """PJRT reads these when the runtime starts, i.e. in the spawned replicas."""
+    if cfg.accelerator.runtime == RuntimeKind.native:
+        return  # no PJRT: torch_xla is never imported
     device = cfg.accelerator.device.value
     previous = os.environ.get("PJRT_DEVICE")
     if previous and previous != device:
@@ -81,7 +89,7 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
     )
     try:
         with starting_replicas():
-            {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd}[way](plan)
+            SPAWN[way](plan)
     finally:
         if plan.pretrained is not None:  # the host's copy of model.pretrained: the replicas are done
             with contextlib.suppress(FileNotFoundError):
@@ -93,6 +101,13 @@ def _describe(cfg: TrainConfig, way: str) -> str:
     acc = cfg.accelerator
     if way == "gloo":
         return f"a simulated pod of {acc.num_devices} replica processes (XLA CPU + gloo)"
+    if way == "native":
+        nodes = int(os.environ.get("NNODES") or 1) if os.environ.get("MASTER_ADDR") else 1
+        where = f" on each of {nodes} machines" if nodes > 1 else ""
+        return (
+            f"{acc.device.value} without XLA, {native_processes(cfg)} replica process(es){where} "
+            f"({acc.collectives.value})"
+        )
     where = "in this process" if acc.in_process else "in a process of its own"
     if way == "spmd":
         devices = acc.num_devices if acc.device == Device.CPU else "every"
@@ -160,6 +175,31 @@ def simulated_replica_main(rank: int, plan: RunPlan, world: int, init_method: st
         dist.destroy_process_group()
 
 
+def native_replica_main(local_rank: int, plan: RunPlan, hosts: NativeHosts) -> None:
+    """One replica of a native PyTorch job: its device, its torch.distributed group."""
+    import torch.distributed as dist
+
+    from tpustream.runtime import NativeRuntime
+    from tpustream.runtime.native import native_device
+
+    acc = plan.cfg.accelerator
+    rank = hosts.node_rank * hosts.per_node + local_rank
+    device = native_device(acc.device.value, local_rank)
+    dist.init_process_group(
+        acc.collectives.value,
+        init_method=hosts.init_method,
+        rank=rank,
+        world_size=hosts.world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
+    try:
+        replica_process(
+            plan, rank, hosts.world_size, lambda: NativeRuntime(rank, hosts.world_size, local_rank, device)
+        )
+    finally:
+        dist.destroy_process_group()
+
+
 def spmd_replica_main(index: int, plan: RunPlan) -> None:
     """This host's process of a GSPMD run: every local device, one program."""
     import torch_xla.runtime as xr
@@ -208,6 +248,18 @@ def _spawn_simulated_pod(plan: RunPlan) -> None:
 
     world = plan.cfg.accelerator.num_devices
     _start_processes(simulated_replica_main, (plan, world, f"tcp://127.0.0.1:{free_port()}"), world)
+
+
+def _spawn_native(plan: RunPlan) -> None:
+    acc = plan.cfg.accelerator
+    if acc.in_process:
+        native_replica_main(0, plan, native_hosts(1))
+        return
+    per_node = native_processes(plan.cfg)
+    _start_processes(native_replica_main, (plan, native_hosts(per_node)), per_node)
+
+
+SPAWN = {"xla": _spawn_xla, "gloo": _spawn_simulated_pod, "spmd": _spawn_spmd, "native": _spawn_native}
 
 
 def _start_processes(target: Callable[..., None], args: tuple, nprocs: int) -> None:

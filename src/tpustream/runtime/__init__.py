@@ -2,8 +2,7 @@
 
 The trainer, evaluation and checkpointing talk to a ``Runtime``: which device,
 which replica, how to step the optimizer across replicas, how to reduce
-metrics, how to get state to the host. Two implementations share everything
-that happens on the replica's own device:
+metrics, how to get state to the host. The implementations:
 
 - ``XlaRuntime``: a replica of an xmp.spawn job (a TPU core, or the single XLA
   CPU device); collectives through torch_xla.
@@ -13,8 +12,11 @@ that happens on the replica's own device:
   pytorch/xla#9089), so multi-replica behaviour can be tested on one machine.
 - ``SpmdRuntime``: one process per host driving all its devices as one GSPMD
   program (strategy=spmd, spmd_fsdp); a replica is a host.
+- ``NativeRuntime``: PyTorch without torch_xla (accelerator=cuda, cpu_eager):
+  a process per GPU or CPU replica, collectives over NCCL or gloo.
 
-One module each (``xla``, ``gloo``, ``spmd``), on what they share (``device``).
+One module each (``xla``, ``gloo``, ``spmd``, ``native``), the XLA ones on what
+they share (``device``). Only ``native`` knows CUDA's specifics.
 """
 
 from __future__ import annotations
@@ -134,11 +136,13 @@ def count_tpu_chips() -> int:
 
 from tpustream.runtime.device import to_host  # noqa: E402
 from tpustream.runtime.gloo import GlooRuntime  # noqa: E402
+from tpustream.runtime.native import NativeRuntime  # noqa: E402
 from tpustream.runtime.spmd import SpmdRuntime  # noqa: E402
 from tpustream.runtime.xla import XlaRuntime  # noqa: E402
 
 __all__ = [
     "GlooRuntime",
+    "NativeRuntime",
     "Runtime",
     "SpmdRuntime",
     "XlaRuntime",

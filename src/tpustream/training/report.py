@@ -171,7 +171,7 @@ class EpochReporter:
         self.config_dict = config_dict
         self.runtime = runtime
         self.output_dir = cfg.output_dir
-        self.device_name = f"xla:{runtime.rank}/{runtime.world_size}"
+        self.device_name = f"{runtime.device.type}:{runtime.rank}/{runtime.world_size}"
         self.tensorboard: observe.TensorBoardLog | observe.NullTensorBoardLog = observe.NullTensorBoardLog()
         # Process start (train.py) to the first loop of this process, once.
         self.started_at = started_at

@@ -1,0 +1,170 @@
+"""A replica in PyTorch itself, without torch_xla: a process per GPU (NCCL) or per CPU replica (gloo).
+
+accelerator=cuda and accelerator=cpu_eager. torch.distributed must already be
+initialised with this rank and world size. Tensors live on the replica's own
+device and ops run when called, so there is no step to mark, no graph to
+compile, and a step closure runs at once. Nothing here imports torch_xla: a
+GPU machine without it installed runs this path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tpustream.observe.timing import InputWait, timed
+from tpustream.runtime.device import to_host
+from tpustream.runtime.gloo import HostCollectives
+
+# A CUDA generator's state: its seed and Philox offset, 8 bytes each.
+CUDA_RNG_STATE_BYTES = 16
+
+
+def native_device(device_type: str, local_rank: int) -> torch.device:
+    """This replica's device: cuda:<local_rank> (made current), or the CPU."""
+    if device_type == "CUDA":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def host_copy(value: Any) -> Any:
+    """value with its tensors copied to the CPU, never aliased.
+
+    .cpu() of a CPU tensor is the tensor itself, which training goes on
+    changing after a checkpoint's state was taken.
+    """
+    return _clone(to_host(value))
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        # From page-locked memory the copy is asynchronous: the host goes on
+        # preparing the next step while the GPU copies this one's batch.
+        return value.pin_memory().to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+class NativeRuntime(HostCollectives):
+    """tpustream.runtime.Runtime for one replica of a torch.distributed job, on a GPU or the CPU."""
+
+    local_devices = 1
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def accelerator_type(self) -> str | None:
+        return None  # MFU's peak table is TPUs'
+
+    def place(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
+        batches = timed(loader, wait)
+        if self.device.type == "cpu":
+            yield from batches  # the batch is where the model is
+            return
+        # One batch ahead: the next batch's copy is queued before this one is trained on.
+        pending = None
+        for batch in batches:
+            moved = _to_device(batch, self.device)
+            if pending is not None:
+                yield pending
+            pending = moved
+        if pending is not None:
+            yield pending
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed as dist
+
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads and self.world_size > 1:
+            # One flat all-reduce per step; the mean over replicas, as xm.optimizer_step computes it.
+            flat = torch.cat([g.detach().reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        optimizer.step()
+
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return list(tensors)
+        out = []
+        for tensor in tensors:
+            total = tensor.detach().clone()
+            dist.all_reduce(total)
+            out.append(total)
+        return out
+
+    def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
+        fn(*args)  # eager: the step's tensors are computed (or queued, on a GPU) already
+
+    def state_to_host(self, state: Any) -> Any | None:
+        return host_copy(state) if self.is_master else None
+
+    def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
+        return self.gather_host(tag, host_copy(state))
+
+    def rng_state(self) -> int:
+        # The CPU generator is checkpointed as torch's own; a GPU's is its seed and offset.
+        if self.device.type != "cuda":
+            return 0
+        return int.from_bytes(bytes(torch.cuda.get_rng_state(self.device).tolist()), "little")
+
+    def set_rng_state(self, state: int) -> None:
+        if self.device.type != "cuda":
+            return
+        if state < 2**64:
+            # A seed (an XLA run's checkpoint, or a GPU state at offset 0: the same thing).
+            torch.cuda.manual_seed(state)
+            return
+        raw = state.to_bytes(CUDA_RNG_STATE_BYTES, "little")
+        torch.cuda.set_rng_state(torch.tensor(list(raw), dtype=torch.uint8), self.device)
+
+    def wait_device_ops(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def compilations(self) -> int:
+        return 0  # eager: nothing is compiled
+
+    def compile_seconds(self) -> float:
+        return 0.0

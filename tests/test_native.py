@@ -1,0 +1,150 @@
+"""accelerator=cpu_eager: the native PyTorch runtime (the GPU path) on CPU processes over gloo.
+
+Each run is `python train.py` with 2 replica processes x 1 DataLoader worker,
+and torch_xla made unimportable: the native path must run on a machine
+without it (a GPU machine). Checkpoints cross to and from the XLA CPU device.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import assert_same_run, run_train
+from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
+from tpustream.data.read.stages import SHARD_ID_SHIFT
+from tpustream.data.resolve.split import load_manifest
+from tpustream.errors import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+STEPS_PER_EPOCH = 12  # ceil(1438 / (64 x 2))
+
+
+@pytest.fixture(scope="module")
+def no_torch_xla(tmp_path_factory) -> dict[str, str]:
+    """An environment in which importing torch_xla fails, in train.py and every process it starts."""
+    folder = tmp_path_factory.mktemp("no_torch_xla")
+    (folder / "torch_xla").mkdir()
+    (folder / "torch_xla" / "__init__.py").write_text(
+        'raise ImportError("torch_xla imported on the native path")\n'
+    )
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def native(root: str, out: str, hydra_dir: str, *more: str) -> list[str]:
+    return [
+        "accelerator=cpu_eager",
+        "accelerator.num_devices=2",
+        f"data.root={root}",
+        f"output_dir={out}",
+        "data.num_workers=1",
+        "epochs=3",
+        f"hydra.run.dir={hydra_dir}",
+        *more,
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight(digits_root, tmp_path_factory, no_torch_xla) -> Path:
+    """3 epochs uninterrupted on 2 native replicas, every sample logged, replicas compared every step."""
+    out = tmp_path_factory.mktemp("native_straight")
+    result = run_train(
+        *native(digits_root, str(out / "run"), str(out / "h")),
+        f"debug.sample_log_dir={out / 'samples'}",
+        "debug.check_sync_every=1",
+        env=no_torch_xla,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "launching CPU without XLA, 2 replica process(es) (gloo)" in result.stdout + result.stderr
+    assert re.search(r"\[replica 1/2\] INFO tpustream.launch.replica: replica 1 of 2 on cpu", result.stderr)
+    return out
+
+
+def test_two_native_replicas_see_every_sample_once_in_equal_steps_and_learn(digits_root, straight):
+    manifest = load_manifest(f"{digits_root}/train")
+    expected = {
+        (i << SHARD_ID_SHIFT) | j for i, shard in enumerate(manifest.shards) for j in range(shard.samples)
+    }
+    for epoch in range(3):
+        logs = straight / "samples"
+        per_replica = [np.load(logs / f"train-epoch{epoch:03d}-replica{r:03d}.npy") for r in (0, 1)]
+        seen = Counter(int(i) for ids in per_replica for i in ids)
+        assert set(seen) == expected and set(seen.values()) == {1}
+    history = read_metrics(str(straight / "run"))
+    assert [m["replica_steps"] for m in history] == [STEPS_PER_EPOCH] * 3
+    assert all(m["train_samples"] == 1438 and m["val_samples"] == 359 for m in history)
+    assert all(m["compilations"] == 0 for m in history)  # eager: nothing to compile
+    # It learns (57% here after 36 steps of 128 samples; chance is 10%).
+    assert max(m["val_accuracy"] for m in history) >= 0.35, history
+
+
+def test_sigterm_saves_last_pt_exits_75_and_resumes_bitwise(digits_root, straight, tmp_path, no_torch_xla):
+    run = str(tmp_path / "run")
+    stop_at = STEPS_PER_EPOCH + 5
+    stopped = run_train(
+        *native(digits_root, run, str(tmp_path / "h1"), f"debug.stop_at_step={stop_at}"), env=no_torch_xla
+    )
+    assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-4000:]
+    saved = load_checkpoint(checkpoint_url(run, "last.pt"))
+    # The replicas agree on a stop at their next vote (checkpoint.stop_check_every steps).
+    epoch, step = saved["position"]["epoch"], saved["position"]["step"]
+    assert epoch == 1 and 0 < step < STEPS_PER_EPOCH and saved["global_step"] == STEPS_PER_EPOCH + step
+    assert saved["global_step"] >= stop_at
+
+    resumed = run_train(*native(digits_root, run, str(tmp_path / "h2")), env=no_torch_xla)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"at epoch 1, step {step}" in resumed.stderr
+    assert_same_run(run, str(straight / "run"), steps=3 * STEPS_PER_EPOCH)
+
+
+def test_checkpoints_cross_between_native_and_xla(digits_root, straight, tmp_path, no_torch_xla):
+    # Native -> XLA: the XLA CPU device evaluates the native run's best.pt to the same accuracy.
+    best = load_checkpoint(checkpoint_url(str(straight / "run"), "best.pt"))
+    record = next(m for m in read_metrics(str(straight / "run")) if m["epoch"] == best["epoch"])
+    evaluated = run_train(
+        f"data.root={digits_root}",
+        f"output_dir={tmp_path / 'eval'}",
+        f"resume={checkpoint_url(str(straight / 'run'), 'best.pt')}",
+        "eval_only=true",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"hydra.run.dir={tmp_path / 'h1'}",
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    match = re.search(
+        r"evaluation of the checkpoint from epoch \d+: accuracy=[\d.]+% \((\d+)/359\)",
+        evaluated.stderr,
+    )
+    # Eager and XLA kernels may round differently: a sample on the decision boundary may flip.
+    assert match and abs(int(match.group(1)) - record["val_correct"]) <= 2
+
+    # XLA -> native: a native run continues a run folder the XLA device started.
+    run = str(tmp_path / "run")
+    first = run_train(
+        f"data.root={digits_root}",
+        f"output_dir={run}",
+        "epochs=1",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"hydra.run.dir={tmp_path / 'h2'}",
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    continued = run_train(
+        "accelerator=cpu_eager",
+        f"data.root={digits_root}",
+        f"output_dir={run}",
+        "epochs=2",
+        "data.num_workers=0",
+        f"hydra.run.dir={tmp_path / 'h3'}",
+        env=no_torch_xla,
+    )
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert "at epoch 1, step 0" in continued.stderr
+    history = read_metrics(run)
+    assert [m["epoch"] for m in history] == [0, 1]
+    assert history[1]["train_loss"] < history[0]["train_loss"]
