@@ -16,7 +16,16 @@ from pathlib import Path
 
 from bench import epoch_time
 from bench.epoch_time.collect import RunResult, collect_runs
-from bench.epoch_time.plan import REPO, SWITCHES, build_plan, cache_key, check_with_hydra, default_name
+from bench.epoch_time.plan import (
+    ACCELERATORS,
+    REPO,
+    SWITCHES,
+    build_plan,
+    cache_key,
+    check_with_hydra,
+    default_name,
+    describe_device,
+)
 from bench.epoch_time.report import (
     epoch_methods,
     failure_report,
@@ -67,6 +76,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also run the baseline twice with a fresh compile cache at these batch sizes "
         "(no value: every batch size)",
     )
+    parser.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        help="accelerator config of every run (default: the config's); the report names the device",
+    )
     parser.add_argument("--name", help="results folder name (default <model>-<data>-<device>)")
     parser.add_argument("--out", type=Path, help="results folder (default bench/results/epoch_time/<name>)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed")
@@ -88,6 +102,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.cold_warm is not None and not args.cold_warm:
         args.cold_warm = list(args.batch_sizes)
     args.cold_warm = args.cold_warm or []
+    if args.accelerator:
+        if any(o.split("=", 1)[0].lstrip("+~") == "accelerator" for o in args.overrides):
+            parser.error("--accelerator and an accelerator= override: give one")
+        args.overrides = [f"accelerator={args.accelerator}", *args.overrides]
     if args.collect and (args.overrides or args.dry_run or args.cold_warm):
         parser.error("--collect reports finished runs: no overrides, --dry-run or --cold-warm with it")
     return args
@@ -141,10 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Measured {started:%Y-%m-%d %H:%M}-{finished:%H:%M %Z} on {os.cpu_count()} CPUs "
         f"({platform.machine()}); other programs used {statistics.fmean(loads) if loads else math.nan:.2f} "
         f"cores on average during the runs (max {max(loads, default=math.nan):.2f}; per run in runs.csv).  ",
-        f"Set-up measured as: {setup_methods(results)}; epoch time from: {epoch_methods(results)}.",
+        f"Set-up measured as: {setup_methods(results)}; epoch time from: {epoch_methods(results)}.  ",
+        f"Device: {describe_device(cfg)}.",
     ]
     sweep = {
         "command": command,
+        "device": describe_device(cfg),
         "started": started.isoformat(),
         "finished": finished.isoformat(),
         "overrides": args.overrides,

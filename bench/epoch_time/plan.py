@@ -208,5 +208,29 @@ def check_with_hydra(runs: Sequence[RunSpec]) -> Any:
     return first
 
 
+# conf/accelerator's choices; --accelerator picks one for every run.
+ACCELERATORS = ("cpu", "tpu", "cpu_pod", "cpu_eager", "cuda")
+
+
+def _device_and_runtime(cfg: Any) -> tuple[str, str]:
+    acc = cfg.accelerator
+    return str(acc.device).split(".")[-1], str(acc.get("runtime", "xla")).split(".")[-1]
+
+
 def default_name(cfg: Any) -> str:
-    return f"{cfg.model.name}-{cfg.data.name}-{str(cfg.accelerator.device).split('.')[-1].lower()}"
+    device, runtime = _device_and_runtime(cfg)
+    suffix = device.lower() if runtime == "xla" else {"CPU": "cpu_eager"}.get(device, device.lower())
+    return f"{cfg.model.name}-{cfg.data.name}-{suffix}"
+
+
+def describe_device(cfg: Any) -> str:
+    """What ran the sweep's steps, as its table says: the device type, the runtime, the GPU's name."""
+    device, runtime = _device_and_runtime(cfg)
+    through = "torch_xla" if runtime == "xla" else "native PyTorch, no XLA"
+    name = ""
+    if device == "CUDA":
+        import torch
+
+        if torch.cuda.is_available():
+            name = f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"{device} ({through}{name})"
