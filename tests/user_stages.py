@@ -44,3 +44,12 @@ def fresh_dicts(samples: Iterator[dict]) -> Iterator[dict]:
     """A stage that builds new dicts without the '__' keys (padding would pass for data)."""
     for sample in samples:
         yield {"image": sample["image"], "label": sample["label"]}
+
+
+def slow(samples: Iterator[dict]) -> Iterator[dict]:
+    """A deliberately slow stage (10 ms a sample): a run that starves for input."""
+    import time
+
+    for sample in samples:
+        time.sleep(0.01)
+        yield sample
