@@ -90,6 +90,14 @@ def test_advice_names_what_to_change_only_when_it_applies():
     assert finding.startswith("input-bound: the training loop waited for batches 50% of the time")
     assert "raise data.num_workers from 2 to about 5 (this host has 8 vCPUs)" in finding
     assert suggested_workers(0, 0.9) >= 10 and suggested_workers(4, 0.1) == 6
+    assert "shard" not in finding
+    # More workers than a replica has shards would split shards by sample ranges: write shards first.
+    (finding,) = advise(records([0.6, 0.5, 0.5]), num_workers=2, cpus=8, shards_per_replica=3)
+    assert finding.endswith(
+        "a replica has 3 shard(s) for 5 workers: write at least 5 shards per replica first"
+    )
+    (finding,) = advise(records([0.6, 0.5, 0.5]), num_workers=2, cpus=8, shards_per_replica=8)
+    assert "shard" not in finding
     (finding,) = advise(records([0.1, 0.0, 0.0], compilations=(3, 3, 5)))
     assert finding.startswith("compile-bound: 2 graph(s) compiled after epoch 0 (by epoch 2)")
     (finding,) = advise(records([0.1, 0.0, 0.0], saving=2.0))

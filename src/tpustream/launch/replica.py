@@ -163,6 +163,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             model_flops=model_flops,
         )
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
+        trainer.reporter.shards_per_replica = len(plan.train.shards) / runtime.world_size
         summary = trainer.fit()
     finally:
         close_loaders(train_loader, val_loader)

@@ -37,9 +37,12 @@ def suggested_workers(workers: int, wait_fraction: float) -> int:
 
 
 def advise(
-    records: Sequence[Mapping[str, Any]], num_workers: int | None = None, cpus: int | None = None
+    records: Sequence[Mapping[str, Any]],
+    num_workers: int | None = None,
+    cpus: int | None = None,
+    shards_per_replica: float | None = None,
 ) -> list[str]:
-    """Findings for these epoch records (metrics.jsonl lines); num_workers and cpus when known."""
+    """Findings for these epoch records (metrics.jsonl lines); the run's settings when known."""
     steady = measured(records)
     if not steady:
         return []
@@ -54,9 +57,18 @@ def advise(
             change = f"raise data.num_workers from {num_workers} to about {target}{room}"
         else:
             change = "raise data.num_workers"
+            target = None
+        shards = ""
+        if shards_per_replica is not None and target is not None and target > shards_per_replica:
+            # A worker reads whole shards; more workers than shards split them by sample
+            # ranges, each reading (and skipping) the others' samples: more bytes, not more rate.
+            shards = (
+                f"; a replica has {shards_per_replica:g} shard(s) for {target} workers: write at "
+                f"least {target} shards per replica first"
+            )
         findings.append(
             f"input-bound: the training loop waited for batches {100 * wait:.0f}% of the time "
-            f"(worst replica {100 * worst:.0f}%); {change}, or store fewer bytes per sample"
+            f"(worst replica {100 * worst:.0f}%); {change}, or store fewer bytes per sample{shards}"
         )
     first = records[0].get("compilations")
     later = [r for r in records[1:] if r.get("compilations") is not None and first is not None]

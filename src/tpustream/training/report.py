@@ -176,6 +176,8 @@ class EpochReporter:
         # Process start (train.py) to the first loop of this process, once.
         self.started_at = started_at
         self.setup_seconds: float | None = None
+        # The training split's shards per replica, for the advice (the launcher sets it).
+        self.shards_per_replica: float | None = None
 
     def mark_setup_done(self) -> None:
         """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
@@ -332,7 +334,8 @@ class EpochReporter:
             return
         self._write_run_file(checkpoint.write_metrics, history)
         if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
-            for finding in advise(history, self.cfg.data.num_workers, os.cpu_count()):
+            workers, cpus = self.cfg.data.num_workers, os.cpu_count()
+            for finding in advise(history, workers, cpus, self.shards_per_replica):
                 log.info("advice: %s", finding)
 
     def _write_run_file(self, writer: Callable[[str, Any], None], content: Any) -> None:
