@@ -64,8 +64,9 @@ class DataConfig:
     # Per-channel statistics of the training images, on the 0..1 scale.
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
-    # DataLoader worker processes per replica (0 = read in the training process).
-    num_workers: int = 2
+    # DataLoader worker processes per replica (0 = read in the training process), or
+    # auto: chosen at start from the pipeline's measured rate (launch.workers; README).
+    num_workers: Any = 2
     # Batches each worker prepares ahead.
     prefetch_factor: int = 4
     # Encoded samples held for shuffling (the pipeline's memory bound); 0 = shard order only.
@@ -115,8 +116,9 @@ class DataConfig:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
         if self.prefetch_factor < 1:
             raise ConfigError(f"data.prefetch_factor must be at least 1, got {self.prefetch_factor}")
-        if self.num_workers < 0:
-            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        workers = self.num_workers
+        if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+            raise ConfigError(f"data.num_workers must be a whole number >= 0 or auto, got {workers!r}")
         if self.crop_padding < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
         if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):

@@ -36,6 +36,7 @@ from tpustream.launch.resume_checks import (
     check_resume_config,
     check_resume_fits,
 )
+from tpustream.launch.workers import resolve_auto_workers
 from tpustream.preemption import raise_if_stop_requested
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         )
     resume_url = finished = None
     resume = find_resume(typed.resume, typed.output_dir)
+    resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
     if resume is None and not typed.eval_only:
         check_fresh_start(typed)
     if resume is not None:

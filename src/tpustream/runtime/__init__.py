@@ -127,6 +127,23 @@ def current_replica() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def tpu_accelerator_type() -> str | None:
+    """This TPU host's accelerator type ("v4-8", "v5litepod-16", ...), or None when unknown."""
+    from torch_xla._internal import tpu
+
+    try:
+        return tpu.get_tpu_type()  # TPU_ACCELERATOR_TYPE's prefix, or the metadata server's
+    except Exception:  # no type known: what needs it (MFU, worker demand) is left out, never the run
+        return None
+
+
+def host_chip():
+    """This TPU host's chip (observe.chips.Chip), or None when unknown."""
+    from tpustream.observe.chips import chip_from_accelerator_type
+
+    return chip_from_accelerator_type(tpu_accelerator_type())
+
+
 def count_tpu_chips() -> int:
     """TPU chips on this machine's PCI bus, as torch_xla counts them (0 on a machine without)."""
     from torch_xla._internal import tpu
@@ -147,6 +164,8 @@ __all__ = [
     "SpmdRuntime",
     "XlaRuntime",
     "count_tpu_chips",
+    "host_chip",
+    "tpu_accelerator_type",
     "current_replica",
     "to_host",
 ]

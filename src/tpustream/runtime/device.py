@@ -93,12 +93,9 @@ class XlaDevice:
 
         if xr.device_type() != "TPU":
             return None
-        from torch_xla._internal import tpu
+        from tpustream.runtime import tpu_accelerator_type
 
-        try:
-            return tpu.get_tpu_type()  # TPU_ACCELERATOR_TYPE's prefix, or the metadata server's
-        except Exception:  # no type known: MFU is left out, never the run
-            return None
+        return tpu_accelerator_type()
 
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass  # one device: a tensor is where it was copied to
