@@ -135,6 +135,7 @@ def test_a_shard_missing_from_the_bucket_fails_the_run_naming_it(digits_bucket, 
         f"data.root={digits_bucket}/digits",
         f"output_dir={digits_bucket}/runs/broken",
         "epochs=2",
+        "accelerator=cpu_eager",  # the data path's error, whichever runtime reads it
         f"hydra.run.dir={tmp_path}/h",
     )
     assert result.returncode == 2
@@ -160,6 +161,7 @@ def test_a_split_of_unreadable_shards_stops_the_run_naming_them(digits_root, tmp
         f"output_dir={run}",
         "epochs=1",
         "data.num_workers=0",
+        "accelerator=cpu_eager",
         "accelerator.in_process=true",
         f"hydra.run.dir={tmp_path}/h",
     )
@@ -221,6 +223,7 @@ def test_data_from_memory_trains_exactly_as_streamed_and_validation_can_be_off(d
             "epochs=2",
             "eval_every=0",
             "data.num_workers=2",
+            "accelerator=cpu_eager",  # the data's source is the subject, not XLA
             "accelerator.in_process=true",  # the replica in train.py: seconds less per run
             f"data.in_memory={source}",
             f"hydra.run.dir={tmp_path}/h-{source}",

@@ -117,8 +117,9 @@ def test_train_on_webdataset_shardwriter_shards_without_manifest(tmp_path):
         f"data.val_shards=['{data}/test/digits-test-{{000000..000000}}.tar']",  # a Hydra list of a pattern
         "data.num_classes=10",
         "epochs=4",
-        # The replica in train.py, reading in its own process: the spawn and
-        # worker paths are test_e2e's; here they would only add seconds.
+        # The replica in train.py, reading in its own process, eager (accelerator=cpu_eager):
+        # the spawn, worker and XLA paths are test_e2e's; here they would only add seconds.
+        "accelerator=cpu_eager",
         "accelerator.in_process=true",
         "data.num_workers=0",
         f"output_dir={run}",
@@ -143,8 +144,9 @@ def test_train_on_img2dataset_shards_in_a_bucket_with_bad_samples_and_a_wids_ind
         "data.index=never",  # every count is recorded: _stats.json and the wids index
         "data.max_bad_fraction=0.05",  # 2% of the training images are broken on purpose
         "epochs=4",
-        # The replica in train.py, reading in its own process: the spawn and
-        # worker paths are test_e2e's; here they would only add seconds.
+        # The replica in train.py, reading in its own process, eager (accelerator=cpu_eager):
+        # the spawn, worker and XLA paths are test_e2e's; here they would only add seconds.
+        "accelerator=cpu_eager",
         "accelerator.in_process=true",
         "data.num_workers=0",
         f"output_dir={run}",

@@ -32,7 +32,9 @@ def test_ten_percent_faults_change_nothing(faulty_gcs, tmp_path):
             f"output_dir={run}",
             "epochs=2",
             "data.num_workers=2",
-            "accelerator.in_process=true",  # the replica in train.py: seconds less per run
+            # The replica in train.py, eager: storage faults are this test's subject, not XLA.
+            "accelerator=cpu_eager",
+            "accelerator.in_process=true",
             f"hydra.run.dir={tmp_path}/{run.rsplit('/', 1)[1]}",
         )
         assert result.returncode == 0, result.stderr[-4000:]
@@ -67,6 +69,7 @@ def test_gcs_vanishing_before_the_final_upload_keeps_the_checkpoint_locally(
         "output_dir=gs://faulty/run",
         "epochs=2",
         "data.num_workers=0",
+        "accelerator=cpu_eager",  # storage is this test's subject, not XLA
         f"hydra.run.dir={hydra_dir}",
     )
     env = {**os.environ, "TPUSTREAM_GCS_RETRY_SECONDS": "3"}
