@@ -189,12 +189,10 @@ def test_replicas_do_not_outlive_a_killed_train_py(digits_root, tmp_path):
     assert replica is not None and replica != process.pid
     process.kill()  # SIGKILL: no handler, no cleanup in train.py
     process.wait()
-    # Nor do its DataLoader workers, even those still starting when it died.
-    workers = [
-        int(p)
-        for p in subprocess.run(["pgrep", "-P", str(replica)], capture_output=True, text=True).stdout.split()
-    ]
-    assert len(workers) >= 2  # train and validation loaders' persistent workers
+    # Nor do its DataLoader workers, even those still starting when it died, nor the fork
+    # server they are forked from (the replica's child; the workers are its children).
+    workers = descendants(replica)
+    assert len(workers) >= 3  # the fork server, and the train and validation loaders' persistent workers
     deadline = time.time() + 30
     while time.time() < deadline:
         alive = [pid for pid in [replica, *workers] if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
@@ -202,6 +200,14 @@ def test_replicas_do_not_outlive_a_killed_train_py(digits_root, tmp_path):
             return
         time.sleep(0.2)
     pytest.fail(f"processes {alive} outlived train.py (replica {replica}, workers {workers})")
+
+
+def descendants(pid: int) -> list[int]:
+    children = [
+        int(p)
+        for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    ]
+    return [grandchild for child in children for grandchild in (child, *descendants(child))]
 
 
 def _zombie(pid: int) -> bool:
