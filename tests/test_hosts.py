@@ -47,3 +47,27 @@ def test_a_second_pod_host_gives_up_naming_the_folder(unindexed, monkeypatch):
     monkeypatch.setenv("TPUSTREAM_HOST_INDEX", "one")
     with pytest.raises(ConfigError, match="TPUSTREAM_HOST_INDEX='one': expected a host number"):
         hosts.load_split_on_this_host(unindexed, "train", DIGITS)
+
+
+def test_a_native_job_meets_on_this_machine_alone_or_as_torchruns_variables_say(monkeypatch):
+    from tpustream.launch.hosts import native_hosts
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    alone = native_hosts(2)
+    assert (alone.node_rank, alone.nodes, alone.world_size) == (0, 1, 2)
+    assert alone.init_method.startswith("tcp://127.0.0.1:")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("NNODES", "3")
+    monkeypatch.setenv("NODE_RANK", "2")
+    hosts = native_hosts(4)
+    assert (hosts.node_rank, hosts.world_size, hosts.init_method) == (2, 12, "tcp://10.0.0.2:29500")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(
+        ConfigError, match=r"WORLD_SIZE=8, but NNODES=3 x 4 replica process\(es\) per machine = 12"
+    ):
+        native_hosts(4)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("NODE_RANK", "3")
+    with pytest.raises(ConfigError, match="NODE_RANK=3 with NNODES=3"):
+        native_hosts(4)

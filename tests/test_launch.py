@@ -96,6 +96,17 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["data=data_schema"], r"data.name has no value: .*\(data=digits, not data=data_schema\)"),
         (["+optim.lrr=0.1"], r"unknown config key optim.lrr \(known here: lr\)"),
         (["accelerator=tpu"], "accelerator=tpu, but this machine has no TPU chips"),
+        (["accelerator=cuda"], r"accelerator=cuda, but PyTorch sees no GPU here"),
+        (["accelerator.device=CUDA"], "accelerator.device=CUDA runs native PyTorch"),
+        (["accelerator=cpu_eager", "strategy=fsdp"], "strategy=fsdp is torch_xla's"),
+        (["accelerator=cpu_eager", "strategy=spmd"], "strategy=spmd is torch_xla's"),
+        (["accelerator=cpu_eager", "debug.metrics=true"], "debug.metrics reads torch_xla's"),
+        (
+            ["accelerator=cpu_eager", "accelerator.collectives=nccl"],
+            "native PyTorch on CPU reduces over gloo",
+        ),
+        (["accelerator=cpu_eager", "accelerator.device=TPU"], "TPUs run through torch_xla"),
+        (["data.num_workers=two"], r"data.num_workers must be a whole number >= 0 or auto, got 'two'"),
         (["output_dir=/dev/null/run"], r"output_dir: /dev/null/run: cannot write here"),
     ],
 )
