@@ -19,10 +19,17 @@ from tpustream.preemption import stop_signals_ignored
 
 # Shards with bad data each replica remembers per pass, for the error that names them.
 MAX_BAD_SHARDS = 3
-# What every worker imports, imported once by the replica's fork server: torch,
-# the pipeline, and what train.py imports (each worker imports train.py, the
-# main module, itself: preloaded, its stop handlers would be the fork server's).
-WORKER_PRELOAD = ["torch", "hydra", "tpustream.launch", "tpustream.data.read.stream"]
+# What every worker imports, imported once by the replica's fork server: first
+# fork_server (which makes the server ignore stop signals), then torch, the
+# pipeline, and what train.py imports (each worker imports train.py, the main
+# module, itself: preloaded, its stop handlers would be the fork server's).
+WORKER_PRELOAD = [
+    "tpustream.data.read.fork_server",
+    "torch",
+    "hydra",
+    "tpustream.launch",
+    "tpustream.data.read.stream",
+]
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
@@ -35,8 +42,8 @@ def worker_context() -> multiprocessing.context.BaseContext:
     validation), all at once. The fork server is a fresh process (started
     by fork + exec, with no threads) that imports WORKER_PRELOAD once; each
     worker is a fork of it (measured with 2 loaders x 2 workers: 2.6 s to the
-    first batches instead of 8.1 s). It starts with the first worker, inside
-    CountingLoader.start_workers, so it ignores stop signals like the workers.
+    first batches instead of 8.1 s). It starts with the first worker and
+    ignores stop signals like the workers (fork_server).
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(WORKER_PRELOAD)
