@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from tpustream.errors import DataError
 from tpustream.observe.timing import timed
-from tpustream.runtime import to_host
+from tpustream.runtime.native import host_copy
 
 T = TypeVar("T")
 
@@ -149,10 +149,10 @@ class FakeRuntime:
 
     def state_to_host(self, state: Any) -> Any | None:
         # Cloned: .cpu() of a CPU tensor is the tensor itself, which training goes on changing.
-        return _clone(to_host(state)) if self.is_master else None
+        return host_copy(state) if self.is_master else None
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
-        every = self._exchange(f"gather_state_to_master:{tag}", _clone(to_host(state)))
+        every = self._exchange(f"gather_state_to_master:{tag}", host_copy(state))
         return every if self.is_master else None
 
     def rng_state(self) -> int:
@@ -169,16 +169,6 @@ class FakeRuntime:
 
     def compile_seconds(self) -> float:
         return 0.0
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_clone(v) for v in value)
-    return value
 
 
 def run_replicas(
