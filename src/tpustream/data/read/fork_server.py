@@ -8,8 +8,27 @@ save. The replica cannot start it with the signals ignored when it runs on
 a thread of its process (xmp.spawn runs replicas in a thread pool), so the
 server ignores them itself, from the first import of its preload. Its forks,
 the workers, start the same way; their worker_init_fn keeps it so.
+
+Only inside the fork server: imported anywhere else (a test importing every
+module) it changes nothing.
 """
 
-from tpustream.preemption import ignore_stop_signals
+import sys
 
-ignore_stop_signals()
+
+def _in_fork_server() -> bool:
+    """Whether multiprocessing's fork server main loop is importing this module."""
+    from multiprocessing import forkserver
+
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is forkserver.main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _in_fork_server():
+    from tpustream.preemption import ignore_stop_signals
+
+    ignore_stop_signals()
