@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint
+from tpustream.config import TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
@@ -58,6 +59,20 @@ def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: in
     setup_worker_logging(rank, world_size, worker_id)
     ignore_stop_signals()
     exit_with_parent(parent=replica_pid)
+
+
+def model_builder(cfg: TrainConfig, train: ShardManifest) -> functools.partial:
+    """create_model for this run's model and the training split's classes, size and channels."""
+    height, width = train.image_size
+    return functools.partial(
+        create_model,
+        cfg.model.name,
+        num_classes=train.num_classes,
+        image_size=max(height, width),
+        channels=train.channels,
+        library=cfg.model.library,
+        **cfg.model.options,
+    )
 
 
 def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
@@ -113,15 +128,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         )
     worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size, os.getpid())
     height, width = plan.train.image_size
-    build = functools.partial(
-        create_model,
-        cfg.model.name,
-        num_classes=plan.train.num_classes,
-        image_size=max(height, width),
-        channels=plan.train.channels,
-        library=cfg.model.library,
-        **cfg.model.options,
-    )
+    build = model_builder(cfg, plan.train)
     model = build()
     # The master reports it (metrics.jsonl, MFU): counted once, on the meta device.
     model_flops = (

@@ -102,10 +102,10 @@ def _describe(cfg: TrainConfig, way: str) -> str:
     if way == "gloo":
         return f"a simulated pod of {acc.num_devices} replica processes (XLA CPU + gloo)"
     if way == "native":
-        nodes = int(os.environ.get("NNODES") or 1) if os.environ.get("MASTER_ADDR") else 1
-        where = f" on each of {nodes} machines" if nodes > 1 else ""
+        hosts = native_hosts(native_processes(cfg))
+        where = f" on each of {hosts.nodes} machines" if hosts.nodes > 1 else ""
         return (
-            f"{acc.device.value} without XLA, {native_processes(cfg)} replica process(es){where} "
+            f"{acc.device.value} without XLA, {hosts.per_node} replica process(es){where} "
             f"({acc.collectives.value})"
         )
     where = "in this process" if acc.in_process else "in a process of its own"

@@ -174,19 +174,8 @@ def _choose(
 
 
 def _model_flops(cfg: TrainConfig, train: ShardManifest) -> int | None:
-    import functools
-
-    from tpustream.models import create_model
+    from tpustream.launch.replica import model_builder
     from tpustream.observe.flops import training_flops_per_sample
 
     height, width = train.image_size
-    build = functools.partial(
-        create_model,
-        cfg.model.name,
-        num_classes=train.num_classes,
-        image_size=max(height, width),
-        channels=train.channels,
-        library=cfg.model.library,
-        **cfg.model.options,
-    )
-    return training_flops_per_sample(build, (train.channels, height, width))
+    return training_flops_per_sample(model_builder(cfg, train), (train.channels, height, width))

@@ -23,6 +23,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def average_flat(grads: Sequence[torch.Tensor], world_size: int, via_host: bool = False) -> None:
+    """Replace grads by their mean over replicas: one flat all-reduce (the mean xm.optimizer_step computes).
+
+    via_host: the flat copy crosses to the host and back (a backend that cannot read the device).
+    """
+    import torch.distributed as dist
+
+    flat = torch.cat([g.detach().reshape(-1) for g in grads])
+    if via_host:
+        flat = flat.cpu()
+    dist.all_reduce(flat)
+    flat.div_(world_size)
+    flat = flat.to(grads[0].device)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
 class HostCollectives:
     """Host numbers and objects between replica processes, over torch.distributed's gloo group.
 
@@ -92,20 +111,9 @@ class GlooRuntime(HostCollectives, XlaDevice):
             tensor.data.copy_(host.to(self.device))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        import torch.distributed as dist
-
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            # One flat transfer and one all-reduce per step; the mean over
-            # replicas, as xm.optimizer_step computes it.
-            flat = torch.cat([g.detach().reshape(-1) for g in grads]).cpu()
-            dist.all_reduce(flat)
-            flat.div_(self.world_size)
-            averaged = flat.to(self.device)
-            offset = 0
-            for grad in grads:
-                grad.copy_(averaged[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            average_flat(grads, self.world_size, via_host=True)  # gloo cannot reach an XLA device
         optimizer.step()
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from tpustream.observe.timing import InputWait, timed
 from tpustream.runtime.device import to_host
-from tpustream.runtime.gloo import HostCollectives
+from tpustream.runtime.gloo import HostCollectives, average_flat
 
 # A CUDA generator's state: its seed and Philox offset, 8 bytes each.
 CUDA_RNG_STATE_BYTES = 16
@@ -108,18 +108,10 @@ class NativeRuntime(HostCollectives):
                 dist.broadcast(tensor.data, src=0)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        import torch.distributed as dist
 
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and self.world_size > 1:
-            # One flat all-reduce per step; the mean over replicas, as xm.optimizer_step computes it.
-            flat = torch.cat([g.detach().reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            flat.div_(self.world_size)
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            average_flat(grads, self.world_size)
         optimizer.step()
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
