@@ -9,13 +9,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, train_command, write_wds_shards
+from tests.conftest import REPO, numbered_samples, train_command, write_wds_shards
 from tpustream import preemption
 from tpustream.checkpoint import checkpoint_url, load_checkpoint
 from tpustream.errors import PREEMPTED_EXIT_CODE
@@ -70,6 +71,68 @@ def _deaf_for_a_while(deaf) -> None:
     time.sleep(1.0)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(60)
+
+
+# Starts a loader's workers on a thread (as under xmp.spawn) while the main thread
+# signals the whole process group every 2 ms; the process itself only notes them.
+STORM_SCRIPT = """
+import functools, os, signal, sys, threading, time
+from tests.conftest import make_stream
+from tpustream.launch.replica import init_data_worker
+from tpustream.data.read.loader import make_loader
+from tpustream.data.resolve.split import load_manifest
+
+for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda *_: None)  # a handler, not SIG_IGN: children must not inherit deafness
+stream = make_stream(
+    load_manifest(sys.argv[1]), batch_size=4, rank=0, world_size=1, num_workers=2, train=False, seed=0
+)
+loader = make_loader(stream, 2, worker_init_fn=functools.partial(init_data_worker, 0, 1, os.getpid()))
+errors = []
+
+
+def start():
+    try:
+        loader.start_workers()
+    except BaseException as exc:
+        errors.append(repr(exc))
+
+
+thread = threading.Thread(target=start)
+thread.start()
+started = None
+deadline = time.time() + 60
+while time.time() < deadline and (started is None or time.time() < started + 1.0):
+    if started is None and not thread.is_alive():
+        started = time.time()
+    os.killpg(0, signal.SIGINT if len(str(time.time())) % 2 else signal.SIGTERM)
+    time.sleep(0.002)
+thread.join()
+if errors:
+    sys.exit(f"starting the workers failed: {errors[0]}")
+print("batches", len(list(loader)))
+loader.close()
+"""
+
+
+def test_loader_workers_survive_stop_signals_sent_while_they_start(write_split):
+    """A Ctrl-C as the fork server starts (Python start-up, before it ignores them) must not kill it.
+
+    Starts the workers from a thread, as a replica under xmp.spawn does, under a storm
+    of SIGINT and SIGTERM to the process group that lasts until a second after they
+    started; they must then deliver every batch.
+    """
+    folder = write_split("val", [numbered_samples(0, 8), numbered_samples(8, 8)])
+    process = subprocess.run(
+        [sys.executable, "-c", STORM_SCRIPT, folder],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        start_new_session=True,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.split() == ["batches", "4"]
 
 
 def start_train(digits_root: str, tmp_path, *overrides: str) -> subprocess.Popen:

@@ -130,33 +130,41 @@ def _keep_forwarding() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals_ignored():
-    """Ignore stop signals in this process while it starts helper processes (main thread only).
+def stop_signals_blocked():
+    """Block stop signals on this thread while it starts a helper process (any thread).
 
-    An ignored signal stays ignored across exec, so the children start immune
-    and never die of a stop signal before they can install their own
-    handling; a process group signal in that window would otherwise kill a
-    DataLoader worker and fail its replica before it saves. (A blocked signal
-    mask would not do: multiprocessing's spawned children start with none.)
-    This process misses a stop signal only for those milliseconds, and
-    train.py sends it again every second (forward_stop_to_children). Off the
-    main thread (replicas as threads on v2/v3) it does nothing.
+    A blocked signal mask survives fork and exec, so the child starts immune
+    from its first instruction: a stop signal sent to the process group
+    before the child ignores it (a fresh Python takes 50-100 ms to get there)
+    waits, pending, and ignoring it discards it (``ignore_stop_signals``).
+    Without it, a Ctrl-C as the DataLoader workers' fork server started
+    killed the server and failed the replica instead of saving. Only this
+    thread's mask changes: the process's other threads still receive the
+    signal, and on a thread that is alone the signal waits until the block
+    ends, lost never. (SIG_IGN would need the main thread, which a replica
+    running as a thread under xmp.spawn is not.)
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def ignore_stop_signals() -> None:
-    """In a helper process (DataLoader worker): ignore stop signals; its replica decides when to stop."""
+def ignore_stop_signals(keep_blocked: bool = False) -> None:
+    """In a helper process (DataLoader worker): ignore stop signals; its replica decides when to stop.
+
+    Then unblock them (a helper started under ``stop_signals_blocked``): a
+    signal that arrived while blocked is discarded by the ignore. A fork
+    server keeps them blocked: its forks then start blocked (a fork keeps
+    the mask, not the pending signals) and stay immune until their own
+    ``ignore_stop_signals``, whatever they install before (torch's worker
+    loop installs a SIGTERM handler that dies unless the signal came from
+    the worker's parent, and a replica forwards SIGTERM to its workers).
+    """
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK if keep_blocked else signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def install_stop_handlers() -> bool:

@@ -53,8 +53,8 @@ def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: in
     A preempted TPU VM sends SIGTERM to every process, Ctrl-C sends SIGINT to
     the whole foreground group. Workers that died on either would fail their
     replica before it could save; instead the replica finishes its step, saves
-    last.pt, and shuts its workers down itself. Workers start with these
-    signals blocked (CountingLoader), so one sent while they start waits here.
+    last.pt, and shuts its workers down itself. They are forks of a fork
+    server that already ignores both (data.read.fork_server).
     """
     setup_worker_logging(rank, world_size, worker_id)
     ignore_stop_signals()

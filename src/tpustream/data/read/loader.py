@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from tpustream.data.read.stream import ShardStream
 from tpustream.errors import DataError, TpustreamError
-from tpustream.preemption import stop_signals_ignored
+from tpustream.preemption import stop_signals_blocked
 
 # Shards with bad data each replica remembers per pass, for the error that names them.
 MAX_BAD_SHARDS = 3
@@ -105,11 +106,15 @@ class CountingLoader:
     def start_workers(self) -> None:
         """Start the persistent DataLoader workers now, immune to stop signals from their first moment.
 
-        Called on the replica's main thread at set-up (not on first iteration,
-        which happens on MpDeviceLoader's thread, where signal dispositions
-        cannot be changed). The workers then begin the current pass; the first
-        real iteration resets them to the epoch set by then (DataLoader's
-        persistent-worker reset), so batches are the same.
+        Called at set-up (not on first iteration, which happens on
+        MpDeviceLoader's thread). The fork server is started with this
+        thread's stop signals blocked, so it starts immune and ignores them
+        itself from its first import (fork_server); the workers are its forks.
+        multiprocessing's resource tracker unblocks both signals on its way
+        out when it starts, so it is started first. The workers then begin
+        the current pass; the first real iteration resets them to the epoch
+        set by then (DataLoader's persistent-worker reset), so batches are
+        the same.
         """
         if (
             self.loader.num_workers == 0
@@ -117,7 +122,8 @@ class CountingLoader:
             or self.loader._iterator is not None
         ):
             return
-        with stop_signals_ignored():
+        resource_tracker.ensure_running()
+        with stop_signals_blocked():
             self.loader._iterator = self.loader._get_iterator()
 
     def tell_workers_to_stop(self) -> None:
