@@ -6,6 +6,8 @@ import io
 import json
 import pickle
 import struct
+import subprocess
+import sys
 import warnings
 import zlib
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import png_bytes
+from tests.conftest import REPO, numbered_samples, png_bytes
 from tpustream.data.format.decode import (
     DEFAULT_IMAGE_KEYS,
     ImageDecoder,
@@ -385,3 +387,34 @@ def test_binary_pnm_is_read_directly_exactly_as_pil_converts_it(mode, field, cha
         ImageDecoder(channels, 9, 7, 10).decode_image(field, out.getvalue())
     with pytest.raises(SampleError, match=f"cannot decode {field}"):
         decoder.decode_image(field, out.getvalue()[:-5])  # truncated pixels: PIL's error
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("field", sorted(FORMATS))
+def test_the_planning_decoder_reads_every_format_with_pil_alone(field, channels):
+    """fast=False (train.py's probe of the first samples): PIL for what torchvision would read."""
+    from tpustream.data.format.decode import ImageDecoder
+
+    mode = {"pgm": "L", "pbm": "1"}.get(field, "RGB")
+    data = encode(noise(mode), field)
+    planning = ImageDecoder(channels, HEIGHT, WIDTH, 10, image_key=field, fast=False)
+    out, label = planning({field: data, "cls": b"3"})
+    assert label == 3 and out.shape == (channels, HEIGHT, WIDTH)
+    assert np.array_equal(out, reference(data, channels))  # PIL's pixels exactly
+    assert "torchvision" not in planning._routes.values()
+
+
+def test_planning_a_run_does_not_import_torchvision(write_split):
+    """train.py's process imports torchvision (and torch._dynamo with it, ~3 s) only to build one."""
+    folder = write_split("train", [numbered_samples(0, 4)])
+    probe = (
+        "import sys, train\n"
+        "from tpustream.data.resolve.split import load_split\n"
+        f"load_split({folder!r}, 'train')\n"
+        "print(sorted(m for m in ('torchvision', 'torch_xla') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["[]"]

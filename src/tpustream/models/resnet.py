@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch.nn as nn
-import torchvision
 
 from tpustream.models.registry import register_model
 
@@ -12,10 +11,12 @@ from tpustream.models.registry import register_model
 # CIFAR accuracy; the usual fix is a 3x3 stride-1 conv and no pool.
 SMALL_IMAGE_MAX = 64
 
+# torchvision is imported where a ResNet is built, not with this module: its
+# import pulls in torch._dynamo (about 3 s of the CLI's start, and of every
+# replica's and DataLoader worker's), which runs that build none of these.
 
-def _adapt(
-    model: torchvision.models.ResNet, image_size: int, channels: int, cifar_stem: bool | None
-) -> nn.Module:
+
+def _adapt(model: nn.Module, image_size: int, channels: int, cifar_stem: bool | None) -> nn.Module:
     if cifar_stem is None:
         cifar_stem = image_size <= SMALL_IMAGE_MAX
     if cifar_stem:
@@ -31,6 +32,8 @@ def resnet18(
     *, num_classes: int, image_size: int, channels: int, cifar_stem: bool | None = None
 ) -> nn.Module:
     """cifar_stem: 3x3 stride-1 first conv and no max-pool; null = for images up to 64 px."""
+    import torchvision
+
     return _adapt(torchvision.models.resnet18(num_classes=num_classes), image_size, channels, cifar_stem)
 
 
@@ -39,4 +42,6 @@ def resnet50(
     *, num_classes: int, image_size: int, channels: int, cifar_stem: bool | None = None
 ) -> nn.Module:
     """cifar_stem: 3x3 stride-1 first conv and no max-pool; null = for images up to 64 px."""
+    import torchvision
+
     return _adapt(torchvision.models.resnet50(num_classes=num_classes), image_size, channels, cifar_stem)

@@ -19,9 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-import torchvision  # noqa: F401 (registers torch.ops.image)
 from PIL import Image
-from torchvision.io import ImageReadMode
 
 from tpustream.data.format.pixels import convert_pil_image, scale_16_to_8
 from tpustream.errors import ConfigError
@@ -156,9 +154,20 @@ def _route_image(field_name: str, channels: int) -> str:
     return _PIL
 
 
+def _read_modes():
+    """torchvision.io's ImageReadMode, imported when first needed, which registers torch.ops.image.
+
+    Not at module import: torchvision's import pulls in torch._dynamo (about
+    3 s), and train.py imports this module to plan a run that may decode nothing.
+    """
+    import torchvision.io
+
+    return torchvision.io.ImageReadMode
+
+
 def _decode_fast_unchanged(data: bytes) -> torch.Tensor:
     """(C, H, W) tensor as stored (uint8, or uint16 for 16-bit PNG); RuntimeError/ValueError if it cannot."""
-    unchanged = ImageReadMode.UNCHANGED.value
+    unchanged = _read_modes().UNCHANGED.value
     return torch.ops.image.decode_image(
         torch.frombuffer(bytearray(data), dtype=torch.uint8), unchanged, False
     )
@@ -193,6 +202,11 @@ class ImageDecoder:
     num_classes: int
     image_key: str | None = None
     label_key: str = "cls"
+    # False: PIL reads what torchvision would (training's fallback when
+    # torchvision refuses an image), and torchvision is never imported; for
+    # planning's probe (data.resolve.probe), which only checks that samples
+    # decode at the planned size, in the process that starts the run.
+    fast: bool = True
     _image_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
     _label_field: str = dataclasses.field(init=False, repr=False, compare=False)
     _label_path: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
@@ -211,12 +225,18 @@ class ImageDecoder:
         # Parsed once here: the dataclass is frozen, so through object.__setattr__.
         image_keys = _parse_image_key(self.image_key)
         object.__setattr__(self, "_image_keys", image_keys)
-        object.__setattr__(self, "_routes", {key: _route_image(key, self.channels) for key in image_keys})
+        object.__setattr__(self, "_routes", {key: self._route(key) for key in image_keys})
         object.__setattr__(self, "_shape", (self.channels, self.height, self.width))
         object.__setattr__(self, "_label_field", label_field)
         object.__setattr__(self, "_label_path", label_path)
-        mode = ImageReadMode.RGB if self.channels == 3 else ImageReadMode.GRAY
-        object.__setattr__(self, "_read_mode", mode.value)
+        if self.fast:
+            modes = _read_modes()
+            mode = modes.RGB if self.channels == 3 else modes.GRAY
+            object.__setattr__(self, "_read_mode", mode.value)
+
+    def _route(self, field: str) -> str:
+        route = _route_image(field, self.channels)
+        return _PIL if route == _FAST and not self.fast else route
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -233,7 +253,7 @@ class ImageDecoder:
         """
         route = self._routes.get(field)
         if route is None:
-            route = _route_image(field, self.channels)
+            route = self._route(field)
         if route == _FAST:
             try:
                 # A bytearray copy (a few us) rather than frombuffer on

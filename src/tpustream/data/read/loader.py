@@ -22,11 +22,14 @@ from tpustream.preemption import stop_signals_blocked
 MAX_BAD_SHARDS = 3
 # What every worker imports, imported once by the replica's fork server: first
 # fork_server (which makes the server ignore stop signals), then torch, the
-# pipeline, and what train.py imports (each worker imports train.py, the main
-# module, itself: preloaded, its stop handlers would be the fork server's).
+# image decoders (torchvision.io, which the pipeline imports only when it
+# builds its decoder), the pipeline, and what train.py imports (each worker
+# imports train.py, the main module, itself: preloaded, its stop handlers
+# would be the fork server's).
 WORKER_PRELOAD = [
     "tpustream.data.read.fork_server",
     "torch",
+    "torchvision.io",
     "hydra",
     "tpustream.launch",
     "tpustream.data.read.stream",

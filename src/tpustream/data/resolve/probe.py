@@ -150,7 +150,13 @@ def check_first_samples(manifest: ShardManifest, options: SplitOptions, name: st
     # says so); the stand-in size only lets the label be read here.
     height, width = manifest.image_size or (1, 1)
     decoder = ImageDecoder(
-        manifest.channels, height, width, manifest.num_classes, options.image_key, options.label_key
+        manifest.channels,
+        height,
+        width,
+        manifest.num_classes,
+        options.image_key,
+        options.label_key,
+        fast=False,
     )
     first_error = None
     try:
