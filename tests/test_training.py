@@ -166,42 +166,47 @@ def last_state(run: str) -> dict:
     return load_checkpoint(checkpoint_url(run, "last.pt"))
 
 
+@pytest.fixture(scope="module")
+def float32_run(digits_root, tmp_path_factory) -> tuple[str, str]:
+    """The reference of the micro-batch and bf16 runs: float32, one batch per step.
+
+    GroupNorm: with BatchNorm, micro-batches are normalised separately by design.
+    """
+    return quick_run(digits_root, tmp_path_factory.mktemp("fp32"), *MICRO_AND_BF16)
+
+
+MICRO_AND_BF16 = ("epochs=2", "model.options.norm=group", "optim.reference_batch_size=32")
+
+
 @pytest.mark.slow
-def test_micro_batches_give_the_update_of_one_whole_batch(digits_root, tmp_path):
-    # GroupNorm: with BatchNorm, micro-batches are normalised separately by design.
-    runs = {
-        count: quick_run(
-            digits_root,
-            tmp_path / f"k{count}",
-            "epochs=1",
-            "model.options.norm=group",
-            f"micro_batches={count}",
-        )[0]
-        for count in (1, 4)
-    }
-    whole, micro = last_state(runs[1]), last_state(runs[4])
-    assert whole["global_step"] == micro["global_step"] == SUBSET_STEPS
+def test_micro_batches_give_the_update_of_one_whole_batch(digits_root, tmp_path, float32_run):
+    micro, _ = quick_run(digits_root, tmp_path / "k4", *MICRO_AND_BF16, "micro_batches=4")
+    whole, micro_state = last_state(float32_run[0]), last_state(micro)
+    assert whole["global_step"] == micro_state["global_step"] == 2 * SUBSET_STEPS
     for name, tensor in whole["model"].items():
-        # Float sums in another order, over 12 SGD steps (how far depends on the
-        # machine's XLA CPU code: up to 4e-5 seen on one; a wrong update is far more).
+        # Float sums in another order, over 24 SGD steps at twice the base rate (how far
+        # depends on the machine's XLA CPU code: 1.7e-4 measured here; a wrong update,
+        # e.g. micro-batch gradients summed instead of averaged, moves weights by ~1e-1).
         torch.testing.assert_close(
-            micro["model"][name], tensor, rtol=1e-4, atol=1e-4, msg=lambda text, name=name: f"{name}: {text}"
+            micro_state["model"][name],
+            tensor,
+            rtol=1e-4,
+            atol=1e-3,
+            msg=lambda text, name=name: f"{name}: {text}",
         )
-    (whole_metrics,), (micro_metrics,) = read_metrics(runs[1]), read_metrics(runs[4])
-    assert micro_metrics["train_loss"] == pytest.approx(whole_metrics["train_loss"], rel=1e-5)
+    whole_metrics, micro_metrics = read_metrics(float32_run[0]), read_metrics(micro)
+    assert micro_metrics[0]["train_loss"] == pytest.approx(whole_metrics[0]["train_loss"], rel=1e-5)
     # The 4 micro-batches are unrolled into the one train-step graph: no extra compilation.
-    assert micro_metrics["compilations"] == whole_metrics["compilations"]
+    assert [m["compilations"] for m in micro_metrics] == [m["compilations"] for m in whole_metrics]
 
 
 @pytest.mark.slow
-def test_bf16_computes_in_bfloat16_and_keeps_float32_weights(digits_root, tmp_path):
-    common = ("epochs=2", "optim.reference_batch_size=32")
-    fp32, _ = quick_run(digits_root, tmp_path / "fp32", *common)
-    bf16, stderr = quick_run(digits_root, tmp_path / "bf16", *common, "precision=bf16")
+def test_bf16_computes_in_bfloat16_and_keeps_float32_weights(digits_root, tmp_path, float32_run):
+    bf16, stderr = quick_run(digits_root, tmp_path / "bf16", *MICRO_AND_BF16, "precision=bf16")
     assert "peak learning rate 0.2 = 0.1 x global batch 64 / reference batch 32 (linear scaling)" in stderr
     state = last_state(bf16)
     assert {t.dtype for t in state["model"].values() if t.is_floating_point()} == {torch.float32}
-    low, full = read_metrics(bf16), read_metrics(fp32)
+    low, full = read_metrics(bf16), read_metrics(float32_run[0])
     # bfloat16 rounding changes the numbers a little, not the training.
     assert low[0]["train_loss"] != full[0]["train_loss"]
     assert low[0]["train_loss"] == pytest.approx(full[0]["train_loss"], rel=0.05)
@@ -263,34 +268,3 @@ def test_fsdp_on_one_replica_trains_checkpoints_and_resumes(digits_root, tmp_pat
         digits_root, tmp_path / "eval", "eval_only=true", f"resume={checkpoint_url(straight, 'best.pt')}"
     )
     assert f"accuracy={100 * best['val_accuracy']:.2f}% ({best['val_correct']}/359)" in stderr
-
-
-@pytest.mark.slow
-def test_lamb_recipe_trains_and_resumes_bit_for_bit(digits_root, tmp_path):
-    """conf/optim/lamb.yaml on XLA: the loss falls, epoch 1 compiles nothing new, and a run
-    stopped inside epoch 1 resumes to the uninterrupted run's weights and optimizer state.
-
-    LAMB, as its step count is a device tensor that the checkpoint must put back on the
-    device; LARS's state is momentum buffers as SGD's (its steps on XLA, and both
-    optimizers' resumes, are in test_optimizers)."""
-    recipe = (
-        "optim=lamb",
-        "epochs=2",
-        "optim.warmup_epochs=0.5",
-        "optim.clip_grad_norm=1.0",
-    )
-    straight, _ = quick_run(digits_root, tmp_path / "straight", *recipe)
-    records = read_metrics(straight)
-    assert records[1]["train_loss"] < records[0]["train_loss"]
-    assert records[1]["compilations"] == records[0]["compilations"]  # all in epoch 0, none after
-
-    interrupted = tmp_path / "interrupted"
-    _, stderr = quick_run(digits_root, interrupted, *recipe, f"debug.stop_at_step={SUBSET_STEPS + 5}")
-    assert "stopped at epoch 1, step 5" in stderr
-    resumed, _ = quick_run(digits_root, interrupted, *recipe)
-    got, want = last_state(resumed), last_state(straight)
-    for key, tensor in want["model"].items():
-        assert torch.equal(got["model"][key], tensor), key
-    states = zip(got["optimizer"]["state"].values(), want["optimizer"]["state"].values(), strict=True)
-    for mine, theirs in states:
-        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
