@@ -83,6 +83,7 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
         f"output_dir={tmp_path}/eval",
         f"resume={run}/checkpoints/best.pt",
         "eval_only=true",
+        "accelerator.in_process=true",  # one replica: no process of its own needed
         f"hydra.run.dir={tmp_path}/h2",
     )
     assert single.returncode == 0, single.stderr[-3000:]
