@@ -87,7 +87,7 @@ for signum in (signal.SIGINT, signal.SIGTERM):
 stream = make_stream(
     load_manifest(sys.argv[1]), batch_size=4, rank=0, world_size=1, num_workers=2, train=False, seed=0
 )
-loader = make_loader(stream, 2, worker_init_fn=functools.partial(init_data_worker, 0, 1, os.getpid()))
+loader = make_loader(stream, 2, worker_init_fn=functools.partial(init_data_worker, 0, 1))
 errors = []
 
 
@@ -133,6 +133,51 @@ def test_loader_workers_survive_stop_signals_sent_while_they_start(write_split):
     )
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.split() == ["batches", "4"]
+
+
+ORPHAN_SCRIPT = """
+import os, signal, sys
+from multiprocessing import forkserver
+from tests.conftest import make_stream
+from tpustream.data.read.loader import make_loader
+from tpustream.data.resolve.split import load_manifest
+
+stream = make_stream(
+    load_manifest(sys.argv[1]), batch_size=4, rank=0, world_size=1, num_workers=2, train=False, seed=0
+)
+loader = make_loader(stream, 2)
+next(iter(loader))  # the workers are up and serving
+workers = [w.pid for w in loader.loader._iterator._workers]
+print(*workers, forkserver._forkserver._forkserver_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_loader_workers_and_their_fork_server_die_with_a_killed_loader_process(write_split):
+    """SIGKILLed (the OOM killer), a loader's process leaves no worker nor fork server behind."""
+    folder = write_split("val", [numbered_samples(0, 8), numbered_samples(8, 8)])
+    process = subprocess.run(
+        [sys.executable, "-c", ORPHAN_SCRIPT, folder], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
+    pids = [int(pid) for pid in process.stdout.split()]
+    assert len(pids) == 3
+    deadline = time.time() + 20  # the workers look for their loader's process every 2 s
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "processes outlived their loader's process"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan is reaped by init, maybe not at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def start_train(digits_root: str, tmp_path, *overrides: str) -> subprocess.Popen:

@@ -185,6 +185,20 @@ def request_stop() -> None:
     _requested.set()
 
 
+def _zombie(pid: int) -> bool:
+    """Whether pid has died and waits for its parent to reap it (a signal still reaches a zombie).
+
+    A killed replica stays a zombie until train.py collects it, and a parent
+    that waits for its child's output first never does while the workers
+    hold that output open. Linux's /proc; elsewhere, never a zombie.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> None:
     """Stop this process if the process that started it (or `parent`) dies.
 
@@ -215,7 +229,7 @@ def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> No
                 return False
             except PermissionError:  # alive, another user's (a reused pid): count as alive
                 return True
-            return True
+            return not _zombie(parent)
 
     if not alive():
         os._exit(1)

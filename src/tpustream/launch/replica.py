@@ -17,7 +17,7 @@ from tpustream.launch.checks import check_data, replica_batch_size
 from tpustream.launch.plan import RunPlan
 from tpustream.logs import setup_worker_logging
 from tpustream.models import create_model
-from tpustream.preemption import exit_with_parent, ignore_stop_signals
+from tpustream.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def check_same_counts(runtime, *manifests: ShardManifest) -> None:
         )
 
 
-def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: int) -> None:
+def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
     """DataLoader worker_init_fn: logging, and no death by SIGTERM or SIGINT.
 
     A preempted TPU VM sends SIGTERM to every process, Ctrl-C sends SIGINT to
@@ -57,8 +57,7 @@ def init_data_worker(rank: int, world_size: int, replica_pid: int, worker_id: in
     server that already ignores both (data.read.fork_server).
     """
     setup_worker_logging(rank, world_size, worker_id)
-    ignore_stop_signals()
-    exit_with_parent(parent=replica_pid)
+    ignore_stop_signals()  # and it dies with its replica (data.read.loader.make_loader)
 
 
 def model_builder(cfg: TrainConfig, train: ShardManifest) -> functools.partial:
@@ -126,7 +125,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             val_stream.layout.steps,
             val_stream.layout.padded_samples,
         )
-    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size, os.getpid())
+    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
     height, width = plan.train.image_size
     build = model_builder(cfg, plan.train)
     model = build()

@@ -6,7 +6,9 @@ bad data left empty, and checks that every planned batch arrived.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from tpustream.data.read.stream import ShardStream
 from tpustream.errors import DataError, TpustreamError
-from tpustream.preemption import stop_signals_blocked
+from tpustream.preemption import exit_with_parent, stop_signals_blocked
 
 # Shards with bad data each replica remembers per pass, for the error that names them.
 MAX_BAD_SHARDS = 3
@@ -178,6 +180,20 @@ def _unwrap_worker_error(exc: TpustreamError) -> TpustreamError:
     return exc
 
 
+def _start_worker(loader_pid: int, init: Callable[[int], None] | None, worker_id: int) -> None:
+    """A worker's first call: it dies with the process that made its loader; then the caller's init.
+
+    The workers are forks of the fork server, so torch's worker watchdog,
+    which follows a worker's parent, follows the server, and the server lives
+    as long as its forks do: a loader's process that died without closing its
+    loader (SIGKILL, the OOM killer) would leave its workers and the server
+    behind for good, deaf to SIGTERM.
+    """
+    exit_with_parent(parent=loader_pid)
+    if init is not None:
+        init(worker_id)
+
+
 def make_loader(
     stream: ShardStream,
     num_workers: int,
@@ -196,7 +212,7 @@ def make_loader(
         # Workers start once per run, not per epoch: starting one costs a fork
         # of the fork server and its first batch's pipeline set-up.
         persistent_workers=num_workers > 0,
-        worker_init_fn=worker_init_fn,
+        worker_init_fn=functools.partial(_start_worker, os.getpid(), worker_init_fn) if num_workers else None,
         multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
     return CountingLoader(loader, record_ids)
