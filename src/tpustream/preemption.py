@@ -96,7 +96,7 @@ def _on_signal(signum: int, frame) -> None:
 
 
 def forward_stop_to_children() -> None:
-    """SIGTERM to every process this one started (replicas; DataLoader workers ignore it).
+    """SIGTERM to the replicas this process started (not its DataLoader workers).
 
     Then again every FORWARD_AGAIN_SECONDS while they live, from a thread: a
     child still starting (before its handler is installed) or one that missed
@@ -114,8 +114,14 @@ _forwarder: threading.Thread | None = None  # one per process: the stop flag is 
 
 
 def _signal_children() -> bool:
-    """SIGTERM to this process's live children; False if there are none."""
-    children = multiprocessing.active_children()
+    """SIGTERM to this process's live children but daemons; False if there are none.
+
+    Daemons are DataLoader workers (torch starts them so): they ignore stop
+    signals by design and their loader shuts them down; signalled, a loader
+    that lives on (one a test keeps) would keep the forwarder going forever.
+    Replicas (xmp.spawn's pool, torch.multiprocessing) are not daemons.
+    """
+    children = [child for child in multiprocessing.active_children() if not child.daemon]
     for child in children:
         with contextlib.suppress(ProcessLookupError, TypeError):  # gone, or not started yet (pid None)
             os.kill(child.pid, signal.SIGTERM)
