@@ -173,11 +173,7 @@ def test_loader_workers_and_their_fork_server_die_with_a_killed_loader_process(w
 
 def _alive(pid: int) -> bool:
     """Running, not a zombie (an orphan is reaped by init, maybe not at once)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return os.path.exists(f"/proc/{pid}") and not preemption._zombie(pid)
 
 
 def start_train(digits_root: str, tmp_path, *overrides: str) -> subprocess.Popen:

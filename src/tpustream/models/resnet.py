@@ -12,8 +12,8 @@ from tpustream.models.registry import register_model
 SMALL_IMAGE_MAX = 64
 
 # torchvision is imported where a ResNet is built, not with this module: its
-# import pulls in torch._dynamo (about 3 s of the CLI's start, and of every
-# replica's and DataLoader worker's), which runs that build none of these.
+# import pulls in torch._dynamo, about 3 s that train.py's start and runs of
+# other models need not pay.
 
 
 def _adapt(model: nn.Module, image_size: int, channels: int, cifar_stem: bool | None) -> nn.Module:

@@ -108,7 +108,6 @@ class NativeRuntime(HostCollectives):
                 dist.broadcast(tensor.data, src=0)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and self.world_size > 1:
             average_flat(grads, self.world_size)
