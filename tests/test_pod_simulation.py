@@ -24,6 +24,7 @@ from tpustream.data.read.plan import order_shards, plan_layout, split_by_replica
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.observe.advice import INPUT_BOUND
 from tpustream.storage import gcs
 
 pytestmark = pytest.mark.slow
@@ -128,7 +129,7 @@ def test_a_failing_replica_stops_the_whole_pod(digits_bucket, tmp_path):
 
 def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_fewer_replicas(digits_bucket, tmp_path):
     # Replica processes over gloo without XLA (accelerator=cpu_eager): the launcher, stop votes,
-    # checkpoints and resume are the XLA pod's code, at eager speed. A slow input stage (10 ms a
+    # checkpoints and resume are the XLA pod's code, at eager speed. A slow input stage (30 ms a
     # sample, no workers) keeps the 12 steps from ending before the signal lands, and starves
     # the run, which the time breakdown and its advice must say.
     run = f"{digits_bucket}/runs/preempted"
@@ -172,7 +173,7 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_fewer_replicas(d
     history = read_metrics(run)
     assert [m["epoch"] for m in history] == [0]
     assert history[0]["train_samples"] == 768 and history[0]["replica_steps"] == 24  # 768 / (16 x 2)
-    # Starved, and the advice names the setting. About half the loop waits for input (measured
-    # 0.49-0.6): the rest is mostly the all-reduce waiting for the other replica's input.
-    assert history[0]["input_wait_fraction"] > 0.3, history[0]
+    # Starved, and the advice names the setting. The rest of the loop is mostly the all-reduce
+    # waiting for the other replica's input; the advice's own threshold is the bar.
+    assert history[0]["input_wait_fraction"] > INPUT_BOUND, history[0]
     assert "advice: input-bound" in resumed.stderr and "raise data.num_workers from 0 to" in resumed.stderr

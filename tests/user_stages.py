@@ -47,9 +47,13 @@ def fresh_dicts(samples: Iterator[dict]) -> Iterator[dict]:
 
 
 def slow(samples: Iterator[dict]) -> Iterator[dict]:
-    """A deliberately slow stage (10 ms a sample): a run that starves for input."""
+    """A deliberately slow stage (30 ms a sample): a run that starves for input.
+
+    A sleep, so the input's share grows when a loaded machine slows the steps beside it: at 10 ms
+    a sample a CI run under pytest-xdist measured a 23% share (49-60% alone).
+    """
     import time
 
     for sample in samples:
-        time.sleep(0.01)
+        time.sleep(0.03)
         yield sample
