@@ -364,5 +364,6 @@ def make_stream(manifest, **options):
     from tpustream.data.read.stream import ShardStream
 
     arguments = {name: options.pop(name) for name in STREAM_ARGUMENTS}
+    partition = options.pop("partition", None)  # a CanonicalPartition (training order) or None
     data = dataclasses.replace(DataConfig(), **{"shuffle_buffer": 0, **options})
-    return ShardStream(manifest, data, **arguments)
+    return ShardStream(manifest, data, partition=partition, **arguments)

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from tests.conftest import make_stream, numbered_samples, png_bytes, solid_image
 from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, write_tar
 from tpustream.data.read.loader import CountingLoader, make_loader
+from tpustream.data.read.plan import CanonicalPartition
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.split import load_manifest
@@ -241,6 +242,81 @@ def test_resuming_mid_epoch_yields_exactly_the_remaining_batches(uneven_split, w
     for a, b in zip(full[skip:], rest, strict=True):
         for key in ("image", "label", "real"):
             assert torch.equal(a[key], b[key])
+
+
+# Canonical streams: the same global batches on every shape, and from any step on.
+
+CANONICAL = CanonicalPartition(streams=6, stream_buffer=8)
+GLOBAL_BATCH = 12  # 2 samples of each stream a step; 103 samples: 9 steps, 5 padded
+
+
+def global_batches(folder: str, world: int, workers: int, skip: int = 0, **options) -> list[dict]:
+    """Epoch 2's global batches from step skip on, built from every replica's readers in process.
+
+    Each worker's pieces (``ShardStream.pieces``) joined in worker order, as the
+    loader joins what its DataLoader workers send, then the replicas' batches in rank order.
+    """
+    replicas = []
+    for rank in range(world):
+        s = stream(
+            folder,
+            rank=rank,
+            world=world,
+            workers=workers,
+            batch=GLOBAL_BATCH // world,
+            partition=CANONICAL,
+            **options,
+        )
+        s.set_epoch(2, skip_batches=skip)
+        pieces = [list(s.pieces(w, max(workers, 1), skip)) for w in range(max(workers, 1))]
+        replicas.append([s.join(list(parts)) for parts in zip(*pieces, strict=True)])
+    return [
+        {key: torch.cat([batch[key] for batch in step]) for key in ("image", "label", "real", "sample_id")}
+        for step in zip(*replicas, strict=True)
+    ]
+
+
+# Replicas dividing the 6 streams, and workers up to the streams each replica reads.
+SHAPES = [(1, 0), (1, 2), (1, 6), (2, 3), (3, 2), (6, 1), (2, 0)]
+
+
+def test_canonical_global_batches_are_the_same_on_every_shape_and_resume_from_any_step(uneven_split):
+    options = dict(shuffle_buffer=8, crop_padding=2, hflip=True, stages=["tests.user_stages:invert"])
+    reference = global_batches(uneven_split, 1, 0, **options)
+    assert len(reference) == 9
+    real_ids = torch.cat([b["sample_id"][b["real"] > 0] for b in reference])
+    assert sorted(real_ids.tolist()) == sorted(set(real_ids.tolist())) and len(real_ids) == 103
+    for world, workers in SHAPES[1:]:
+        for skip in (0, 4):
+            batches = global_batches(uneven_split, world, workers, skip, **options)
+            assert len(batches) == 9 - skip, (world, workers, skip)
+            for step, (a, b) in enumerate(zip(reference[skip:], batches, strict=True), start=skip):
+                for key in a:  # pixels too: crops, flips and the user's stage drawn alike
+                    assert torch.equal(a[key], b[key]), (world, workers, skip, step, key)
+
+
+def test_canonical_pieces_from_dataloader_workers_join_into_the_in_process_batches(uneven_split):
+    options = dict(shuffle_buffer=8, crop_padding=2, hflip=True)
+    expected = global_batches(uneven_split, 2, 3, skip=3, **options)
+    s = stream(uneven_split, rank=1, world=2, workers=3, batch=6, partition=CANONICAL, **options)
+    s.set_epoch(2, skip_batches=3)
+    loader = make_loader(s, 3, record_ids=True)
+    batches = list(loader)
+    loader.raise_if_incomplete("train")
+    loader.close()
+    assert len(batches) == len(loader) == 6
+    for a, b, ids in zip(expected, batches, loader.sample_ids, strict=True):
+        assert torch.equal(a["image"][6:], b["image"]) and torch.equal(a["label"][6:], b["label"])
+        assert torch.equal(a["sample_id"][6:][a["real"][6:] > 0], torch.from_numpy(ids))
+
+
+def test_a_canonical_stream_fills_its_own_bad_samples_whoever_reads_it(write_split, caplog):
+    folder = bad_split(write_split)
+    reference = global_batches(folder, 1, 0)
+    for world, workers in ((2, 3), (3, 2)):
+        for a, b in zip(reference, global_batches(folder, world, workers), strict=True):
+            assert torch.equal(a["real"], b["real"]) and torch.equal(a["sample_id"], b["sample_id"])
+    assert sum(int((b["real"] == 0).sum()) for b in reference) > 0
 
 
 # In-memory mode: the same batches as streaming, from one shared copy of the split.

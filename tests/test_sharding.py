@@ -10,12 +10,15 @@ from hypothesis import strategies as st
 
 from tpustream.data.format.manifest import ShardInfo
 from tpustream.data.read.plan import (
+    CanonicalPartition,
     SampleSpan,
+    choose_partition,
     describe_sharing,
     order_shards,
     plan_layout,
     split_by_replica,
     split_by_worker,
+    stream_spans,
     take_range,
     worker_batches,
 )
@@ -154,3 +157,98 @@ def test_describe_sharing_only_when_there_are_fewer_shards_than_readers():
     assert describe_sharing(8, 4, 0) is None
     note = describe_sharing(3, 2, 2)
     assert note is not None and "3 shard(s)" in note and "4 readers" in note
+
+
+# The canonical partition: streams, and which reader reads which.
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def partitioned_epochs(draw):
+    """(shard sizes, global batch, streams) with streams dividing the global batch."""
+    sizes = draw(shard_sizes)
+    global_batch = draw(st.integers(1, 96))
+    streams = draw(st.sampled_from(divisors(global_batch)))
+    return sizes, global_batch, streams
+
+
+@settings(max_examples=200, deadline=None)
+@given(epoch=partitioned_epochs(), seed=st.integers(0, 2**16), last_batch=st.sampled_from(["pad", "drop"]))
+def test_canonical_streams_cover_the_epoch_exactly_once_and_every_shape_reads_each_stream_once(
+    epoch, seed, last_batch
+):
+    sizes, global_batch, streams = epoch
+    shards = make_shards(sizes)
+    n = sum(sizes)
+    if last_batch == "drop" and n < global_batch:
+        return
+    partition = CanonicalPartition(streams, 16)
+    # The layout (steps) depends on the global batch only, so any shape has it.
+    layout = plan_layout(n, global_batch, 1, last_batch)
+    ordered = order_shards(shards, seed, 0, shuffle=True)
+    chunk = partition.stream_batch(global_batch)
+    per_stream = [stream_spans(ordered, layout, partition, c) for c in range(streams)]
+    assert all(sum(len(s) for s in spans) == layout.steps * chunk for spans in per_stream)
+    seen = Counter((url, i) for spans in per_stream for url, i, padding in expand(spans) if not padding)
+    assert set(seen.values()) <= {1}
+    assert sum(seen.values()) == n - layout.dropped_samples
+    # Every shape the partition allows: each stream read by exactly one reader, and a
+    # replica's streams, in its workers' order, are its slice of the global batch.
+    for world in partition.allowed_replicas():
+        per_replica = streams // world
+        for workers in range(0, per_replica + 1):
+            partition.check_shape(world, global_batch // world, workers)
+            order = [
+                c
+                for rank in range(world)
+                for worker in range(max(workers, 1))
+                for c in partition.streams_of(rank, world, worker, workers)
+            ]
+            assert order == list(range(streams))
+            assert all(
+                partition.streams_of(rank, world, worker, workers)
+                for rank in range(world)
+                for worker in range(max(workers, 1))
+            )
+
+
+def test_a_shape_the_partition_does_not_allow_is_refused_naming_what_fits():
+    partition = CanonicalPartition(8, 100)
+    partition.check_shape(2, 32, 4)
+    with pytest.raises(ConfigError, match=r"3 replica\(s\) cannot share .* 1, 2, 4, 8 replica"):
+        partition.check_shape(3, 32, 1)
+    with pytest.raises(ConfigError, match="data.num_workers=3 .* at most 2"):
+        partition.check_shape(4, 16, 3)
+    with pytest.raises(ConfigError, match="global batch they divide"):
+        partition.check_shape(2, 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("world", "batch", "workers", "shards", "expected"),
+    [
+        (4, 16, 2, 1000, 4 * 8),  # up to 4 streams a worker, one shard each at least
+        (4, 16, 2, 6, 4 * 2),  # few shards: the fewest streams that give each worker one
+        (2, 12, 0, 100, 2 * 4),  # the largest divisor of the batch within 4 per reader
+        (1, 7, 2, 100, 7),
+        (8, 1, 0, 100, 8),
+    ],
+)
+def test_auto_partition_gives_each_reader_a_few_streams_within_the_batch_and_shards(
+    world, batch, workers, shards, expected
+):
+    partition = choose_partition("auto", world, batch, workers, shards, 2000)
+    assert partition is not None and partition.streams == expected
+    # A reader holds the shuffle buffer it holds without a partition, over its streams.
+    per_reader = expected // (world * max(workers, 1))
+    assert partition.stream_buffer == -(-2000 // per_reader)
+
+
+def test_no_partition_where_none_fits_or_when_asked_for_none():
+    assert choose_partition("auto", 4, 1, 2, 100, 100) is None  # one sample a replica, two workers
+    assert choose_partition(0, 4, 16, 2, 100, 100) is None
+    assert choose_partition(16, 4, 16, 2, 100, 100) == CanonicalPartition(16, 50)
+    with pytest.raises(ConfigError, match="3 replica"):
+        choose_partition(16, 3, 16, 0, 100, 100)

@@ -130,3 +130,33 @@ def test_random_generators_come_back_to_the_captured_states():
     restore_rng(decode_checkpoint(encode_checkpoint({"rng": captured}), "rng")["rng"], runtime)
     assert (random.random(), np.random.rand(), torch.rand(1)) == want
     assert runtime.rng_state() == 1234
+
+
+CANONICAL = {**PLAN, "streams": 8, "stream_buffer": 250, "global_batch": 8}
+
+
+def test_a_canonical_position_holds_on_another_shape_with_the_same_global_batch(caplog):
+    saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
+    other_shape = {**CANONICAL, "world_size": 4, "batch_size": 2, "num_workers": 1}
+    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+        assert saved.under_data_plan(other_shape, steps_per_epoch=12, source="last.pt") is saved
+    assert (
+        "last.pt stopped at step 5 of epoch 1 under 2 replica(s) x batch 4, 2 worker(s); continuing at "
+        "that step under 4 replica(s) x batch 2, 1 worker(s)"
+    ) in caplog.text
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"global_batch": 16, "batch_size": 8},
+        {"streams": 4},
+        {"stream_buffer": 100},
+        {"seed": 1},
+        {"streams": 0},
+    ],
+)
+def test_a_canonical_position_restarts_its_epoch_under_another_order(change):
+    saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
+    restarted = saved.under_data_plan({**CANONICAL, **change}, steps_per_epoch=12, source="x")
+    assert (restarted.step, restarted.global_step) == (0, 12)

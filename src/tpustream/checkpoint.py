@@ -68,7 +68,11 @@ RESUME_MAY_DIFFER = (
     "log_steps",
     "data.num_workers",
     "data.prefetch_factor",
+    "data.streams",  # a resumed run keeps its checkpoint's partition
 )
+# Under a canonical partition batch_size may change with the shape, the global
+# batch kept (RunPlan.partition checks it).
+SHAPE_MAY_DIFFER = ("batch_size",)
 FORCE_RESUME = "force"
 # resume=overwrite: start fresh in a run folder that holds a run, deleting it
 # first (resume=null refuses to: it would overwrite best.pt and metrics.jsonl).

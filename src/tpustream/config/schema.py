@@ -69,8 +69,15 @@ class DataConfig:
     num_workers: Any = 2
     # Batches each worker prepares ahead.
     prefetch_factor: int = 4
-    # Encoded samples held for shuffling (the pipeline's memory bound); 0 = shard order only.
+    # Encoded samples each reader (a worker, or a replica without workers) holds
+    # for shuffling (the pipeline's memory bound); 0 = shard order only.
     shuffle_buffer: int = 2000
+    # Canonical streams the training order is cut into, fixed when a run starts
+    # and kept by its checkpoints (README: "Resume on any shape"): a stopped run
+    # continues on any number of replicas dividing it, with any workers up to
+    # its share per replica. auto = a few per reader; 0 = a per-reader order
+    # that resumes mid-epoch only on the same shape.
+    streams: Any = "auto"
     last_batch: LastBatch = LastBatch.pad
     on_error: OnError = OnError.skip
     # Stop the run when more than this fraction of a split's samples were bad
@@ -119,6 +126,9 @@ class DataConfig:
         workers = self.num_workers
         if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
             raise ConfigError(f"data.num_workers must be a whole number >= 0 or auto, got {workers!r}")
+        streams = self.streams
+        if streams != "auto" and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 0):
+            raise ConfigError(f"data.streams must be a whole number >= 0 or auto, got {streams!r}")
         if self.crop_padding < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
         if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):

@@ -14,9 +14,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tpustream.checkpoint import find_resume, read_metrics
+from tpustream.checkpoint import FORCE_RESUME, find_resume, read_metrics
 from tpustream.config import Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.plan import CanonicalPartition, choose_partition
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import (
@@ -27,6 +28,7 @@ from tpustream.launch.checks import (
     check_run_folders,
     known_devices_per_replica,
     known_world_size,
+    replica_batch_size,
     resolve_config,
 )
 from tpustream.launch.hosts import load_split_on_this_host
@@ -56,6 +58,43 @@ class RunPlan:
     finished: str | None = None
     # model.pretrained, checked and copied to this host: (local file, head tensors left fresh).
     pretrained: tuple[str, list[str]] | None = None
+    # The data plan of the checkpoint the run resumes (its canonical partition), or None,
+    # its step in its epoch, and the batch_size it was made with.
+    resume_data_plan: dict[str, int] | None = None
+    resume_step: int = 0
+    resume_batch_size: int | None = None
+
+    def partition(self, world_size: int, replica_batch: int) -> CanonicalPartition | None:
+        """The training order's canonical partition on this shape (ConfigError where it cannot be read).
+
+        A resumed run keeps its checkpoint's partition (the same global batch
+        assumed: a changed one restarts the epoch anyway, under a new one);
+        a checkpoint without one (an older run) keeps the per-reader plan. A
+        fresh run chooses one from data.streams.
+        """
+        cfg = self.cfg
+        workers = cfg.data.num_workers
+        if self.resume_url is not None:
+            saved_plan = self.resume_data_plan or {}
+            saved = CanonicalPartition.from_dict(saved_plan)
+            if saved is None:
+                return None
+            global_batch = replica_batch * world_size
+            if saved_plan["global_batch"] == global_batch:
+                saved.check_shape(world_size, replica_batch, workers)
+                return saved
+            batch_changed = self.resume_batch_size not in (None, cfg.batch_size)
+            if cfg.resume != FORCE_RESUME and (batch_changed or self.resume_step > 0):
+                raise ConfigError(global_batch_error(saved_plan, world_size, replica_batch // cfg.batch_size))
+            log.info(
+                "the global batch changes from %d to %d: the training order takes a new canonical partition",
+                saved_plan["global_batch"],
+                global_batch,
+            )
+        shards = len(self.train.shards)
+        return choose_partition(
+            cfg.data.streams, world_size, replica_batch, workers, shards, cfg.data.shuffle_buffer
+        )
 
 
 def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
@@ -83,7 +122,8 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             *manifest.image_size,
             manifest.counts_from,
         )
-    resume_url = finished = None
+    resume_url = finished = resume_data_plan = resume_batch_size = None
+    resume_step = 0
     resume = find_resume(typed.resume, typed.output_dir)
     resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
     if resume is None and not typed.eval_only:
@@ -93,6 +133,9 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         check_resume_fits(typed, train, resume.state, resume_url)
         check_resume_config(typed, plain, resume)
         finished = check_not_finished(typed, resume)
+        resume_data_plan = resume.state.get("data_plan")
+        resume_step = resume.state["position"]["step"]
+        resume_batch_size = (resume.state.get("config") or {}).get("batch_size")
         del resume  # the checkpoint's tensors: each replica reads its own copy
     pretrained = None
     if typed.model.wants_pretrained() and not typed.eval_only:
@@ -114,7 +157,40 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             "so nothing is saved",
             typed.xla_cache_dir,
         )
-    return RunPlan(typed, plain, train, val, resume_url, started_at, finished, pretrained)
+    plan = RunPlan(
+        typed,
+        plain,
+        train,
+        val,
+        resume_url,
+        started_at,
+        finished,
+        pretrained,
+        resume_data_plan,
+        resume_step,
+        resume_batch_size,
+    )
+    world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
+    if world_size is not None and devices is not None and not typed.eval_only and finished is None:
+        plan.partition(world_size, replica_batch_size(typed, devices))  # its errors, before spawning
+    return plan
+
+
+def global_batch_error(saved_plan: dict[str, int], world_size: int, devices: int) -> str:
+    """What to set to continue a run on this shape with the global batch it began with."""
+    global_batch = saved_plan["global_batch"]
+    readers = world_size * devices
+    now = f"{world_size} replica(s)" + (f" x {devices} device(s)" if devices > 1 else "")
+    fix = (
+        f"set batch_size={global_batch // readers} to continue it on {now}"
+        if global_batch % readers == 0
+        else f"it cannot be split evenly over {now}"
+    )
+    return (
+        f"the run began with a global batch of {global_batch} (batch_size x devices x replicas) and its "
+        f"order is cut for it: {fix}, or set resume=force to continue with another global batch from "
+        "the start of its epoch"
+    )
 
 
 def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str, list[str]]:

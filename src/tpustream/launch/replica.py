@@ -79,6 +79,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     import torch
 
     from tpustream.data.read.loader import close_loaders, make_loader
+    from tpustream.data.read.plan import describe_partition
     from tpustream.data.read.stream import ShardStream
     from tpustream.observe import start_profiler
     from tpustream.observe.flops import training_flops_per_sample
@@ -98,17 +99,21 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     # Device randomness (dropout and the like) differs per replica, reproducibly.
     runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
 
+    replica_batch = replica_batch_size(cfg, runtime.local_devices)
+    partition = None if cfg.eval_only else plan.partition(runtime.world_size, replica_batch)
+
     def stream(manifest: ShardManifest, train: bool) -> ShardStream:
         return ShardStream(
             manifest,
             cfg.data,
-            batch_size=replica_batch_size(cfg, runtime.local_devices),
+            batch_size=replica_batch,
             rank=runtime.rank,
             world_size=runtime.world_size,
             train=train,
             seed=cfg.seed,
             augment=cfg.augment,
             augment_group=cfg.batch_size,  # one device's batch
+            partition=partition,
         )
 
     train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)
@@ -125,6 +130,8 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             val_stream.layout.steps,
             val_stream.layout.padded_samples,
         )
+        if not cfg.eval_only:
+            log.info("train order: %s", describe_partition(partition, layout.global_batch_size))
     worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
     height, width = plan.train.image_size
     build = model_builder(cfg, plan.train)
@@ -167,6 +174,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             resume_from=resume_from,
             started_at=plan.started_at,
             model_flops=model_flops,
+            partition=partition.as_dict() if partition is not None else None,
         )
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
         trainer.reporter.shards_per_replica = len(plan.train.shards) / runtime.world_size

@@ -14,6 +14,7 @@ from tpustream.checkpoint import (
     FORCE_RESUME,
     OVERWRITE_RESUME,
     RESUME_MAY_DIFFER,
+    SHAPE_MAY_DIFFER,
     ResumePoint,
     config_differences,
     read_metrics,
@@ -141,7 +142,9 @@ def check_resume_config(cfg: TrainConfig, config: dict[str, Any], resume: Resume
     saved = resume.state.get("config")
     if saved is None:
         return
-    differences = config_differences(saved, config, RESUME_MAY_DIFFER, schema_defaults())
+    canonical = bool((resume.state.get("data_plan") or {}).get("streams"))
+    may_differ = (*RESUME_MAY_DIFFER, *SHAPE_MAY_DIFFER) if canonical else RESUME_MAY_DIFFER
+    differences = config_differences(saved, config, may_differ, schema_defaults())
     if not differences:
         return
     shown = "; ".join(differences[:MAX_SHOWN_DIFFERENCES])

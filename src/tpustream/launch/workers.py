@@ -144,8 +144,10 @@ def resolve_auto_workers(
 def _choose(
     cfg: TrainConfig, train: ShardManifest, world_size: int | None, resume_state: dict[str, Any] | None
 ) -> int:
-    if resume_state is not None and resume_state["position"]["step"] > 0:
-        saved = (resume_state.get("data_plan") or {}).get("num_workers")
+    saved_plan = (resume_state or {}).get("data_plan") or {}
+    if resume_state is not None and resume_state["position"]["step"] > 0 and not saved_plan.get("streams"):
+        # A per-reader order continues mid-epoch only with the same workers.
+        saved = saved_plan.get("num_workers")
         if saved is not None:
             log.info("data.num_workers=auto: %d, as the mid-epoch checkpoint this run resumes", saved)
             return int(saved)
@@ -169,8 +171,12 @@ def _choose(
         shards_per_replica=shards,
     )
     delivers = "" if math.isinf(rate) else f"one worker delivers {rate:.0f} samples/s here; "
-    log.info("data.num_workers=auto: %d (%s%s)", choice.workers, delivers, choice.why)
-    return choice.workers
+    workers, why = choice.workers, choice.why
+    if saved_plan.get("streams") and world_size and workers > saved_plan["streams"] // world_size:
+        workers = max(1, saved_plan["streams"] // world_size)
+        why += f"; at most {workers}, the canonical streams each replica reads"
+    log.info("data.num_workers=auto: %d (%s%s)", workers, delivers, why)
+    return workers
 
 
 def _model_flops(cfg: TrainConfig, train: ShardManifest) -> int | None:

@@ -123,11 +123,19 @@ class DebugChecks:
             raise RuntimeError(f"replicas diverged by step {step}: parameter fingerprints {fingerprints}")
         log.debug("step %d: all %d replicas hold identical parameters", step, len(fingerprints))
 
-    def write_sample_log(self, sample_ids: list[np.ndarray], epoch: int, start_step: int) -> None:
-        """The ids of the real samples this replica trained on in this pass, for exactness audits."""
+    def write_sample_log(
+        self, sample_ids: list[np.ndarray], epoch: int, start_step: int, stop_step: int | None = None
+    ) -> None:
+        """The ids of the real samples this replica trained on in this pass, for exactness audits.
+
+        A pass resumed inside its epoch is named -fromSTEP, one stopped inside it -toSTEP.
+        """
         folder = self.cfg.sample_log_dir
+        if not folder:
+            return
         os.makedirs(folder, exist_ok=True)
         suffix = f"-from{start_step:05d}" if start_step else ""
+        suffix += f"-to{stop_step:05d}" if stop_step is not None else ""
         np.save(
             os.path.join(folder, f"train-epoch{epoch:03d}-replica{self.runtime.rank:03d}{suffix}.npy"),
             np.concatenate(sample_ids) if sample_ids else np.empty(0, np.int64),

@@ -120,9 +120,9 @@ class SpmdTrainer(Trainer):
                 for name, tensor in batch.items()
             }
 
-    def data_plan(self) -> dict[str, int]:
-        # The sample order depends on the batch each host loads (batch_size x its devices).
-        return {**super().data_plan(), "batch_size": self.cfg.batch_size * self.runtime.local_devices}
+    def replica_batch(self) -> int:
+        # A host loads batch_size for each of its devices.
+        return self.cfg.batch_size * self.runtime.local_devices
 
     def model_and_optimizer_state(self) -> tuple[Any, Any]:
         return self.whole_state(self.model, "model"), self.optimizer.state_dict()

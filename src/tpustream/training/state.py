@@ -162,12 +162,26 @@ class TrainState:
     def under_data_plan(self, data_plan: dict[str, int], steps_per_epoch: int, source: str) -> TrainState:
         """This state for a run under data_plan: its epoch restarted if it stopped inside one under another.
 
-        The sample order of an epoch depends on replicas x workers x batch: a
-        position inside it means nothing under another plan, so the epoch's
-        steps so far are taken back and trained again from its first batch.
-        A position at an epoch's start or end holds under any plan.
+        Under a per-reader plan the sample order of an epoch depends on replicas
+        x workers x batch; under a canonical partition on the global batch and
+        the partition only (same_order). A position inside an epoch means
+        nothing under another order, so the epoch's steps so far are taken
+        back and trained again from its first batch. A position at an epoch's
+        start or end holds under any plan.
         """
-        if not 0 < self.step < steps_per_epoch or self.data_plan == data_plan:
+        if not 0 < self.step < steps_per_epoch:
+            return self
+        if same_order(self.data_plan, data_plan):
+            if self.data_plan != data_plan:
+                log.info(
+                    "%s stopped at step %d of epoch %d under %s; continuing at that step under %s "
+                    "(the canonical partition gives every global step the same samples)",
+                    source,
+                    self.step,
+                    self.epoch,
+                    describe_shape(self.data_plan),
+                    describe_shape(data_plan),
+                )
             return self
         log.warning(
             "%s stopped at step %d of epoch %d under %s; this run has %s, so epoch %d restarts "
@@ -181,6 +195,29 @@ class TrainState:
             self.step,
         )
         return dataclasses.replace(self, global_step=self.global_step - self.step, step=0, partial=None)
+
+
+# What an epoch's order depends on under a canonical partition (data.read.plan).
+CANONICAL_ORDER_KEYS = ("global_batch", "streams", "stream_buffer", "steps_per_epoch", "seed")
+
+
+def same_order(saved: dict[str, int] | None, current: dict[str, int]) -> bool:
+    """Whether two data plans give every global step of an epoch the same samples."""
+    if saved is None:
+        return False
+    if saved.get("streams") and current.get("streams"):
+        return all(saved.get(key) == current.get(key) for key in CANONICAL_ORDER_KEYS)
+    return saved == current
+
+
+def describe_shape(plan: dict[str, int] | None) -> str:
+    """A data plan's shape in words: replicas x batch, workers."""
+    if not plan:
+        return "an unknown plan"
+    return (
+        f"{plan.get('world_size')} replica(s) x batch {plan.get('batch_size')}, "
+        f"{plan.get('num_workers')} worker(s)"
+    )
 
 
 def device_values(runtime: Runtime, *values: tuple[float | list[float], torch.dtype]) -> list[torch.Tensor]:

@@ -84,8 +84,11 @@ class Trainer:
         resume_from: ResumeFrom | None = None,
         started_at: float | None = None,
         model_flops: int | None = None,
+        partition: dict[str, int] | None = None,
     ):
         self.cfg = cfg
+        # The training order's canonical partition (data.read.plan), recorded in the data plan.
+        self.partition = partition
         self.config_dict = config_dict
         self.runtime = runtime
         self.train_state = TrainState()
@@ -165,15 +168,26 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
 
     # -- state ------------------------------------------------------------
+    def replica_batch(self) -> int:
+        """Samples one replica loads per step."""
+        return self.cfg.batch_size
+
     def data_plan(self) -> dict[str, int]:
-        """What a mid-epoch data position depends on: change any of these and it means nothing."""
-        return {
+        """What a mid-epoch position depends on (TrainState.under_data_plan): shape and partition.
+
+        Under a canonical partition only the global batch, the steps, the seed
+        and the partition matter; the shape is kept to say what changed.
+        """
+        plan = {
             "world_size": self.runtime.world_size,
-            "batch_size": self.cfg.batch_size,
+            "batch_size": self.replica_batch(),
             "num_workers": self.cfg.data.num_workers,
             "steps_per_epoch": self.steps_per_epoch,
             "seed": self.cfg.seed,
         }
+        if self.partition is not None:
+            plan.update(self.partition, global_batch=self.replica_batch() * self.runtime.world_size)
+        return plan
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What last.pt and best.pt hold now (a collective)."""
@@ -327,6 +341,9 @@ class Trainer:
                 self.epoch, self.step = epoch, step + 1
                 self._save(checkpoint.LAST)
                 if stop:
+                    # The loader has run ahead of the loop: only the trained batches' ids.
+                    trained = self.train_loader.sample_ids[: index + 1]
+                    self.debug.write_sample_log(trained, epoch, start_step, stop_step=step + 1)
                     raise preemption.Preempted(f"stopped at epoch {epoch}, step {step + 1}")
         self.train_loader.raise_if_incomplete("train")
         self.average_buffers()

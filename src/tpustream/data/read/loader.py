@@ -79,7 +79,8 @@ class CountingLoader:
         self.bad_shards: list[str] = []  # this pass's shards with bad data, first MAX_BAD_SHARDS
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Batches of the current pass."""
+        return len(self.loader) // self.loader.dataset.pieces_per_batch
 
     @property
     def steps(self) -> int:
@@ -95,7 +96,7 @@ class CountingLoader:
         self.sample_ids = []
         self.bad_shards = []
         try:
-            for batch in self.loader:
+            for batch in self.batches_of(iter(self.loader)):
                 self.filled += int(batch.pop("filled"))
                 for url in batch.pop("bad_shards", ()):
                     if len(self.bad_shards) < MAX_BAD_SHARDS and url not in self.bad_shards:
@@ -107,6 +108,19 @@ class CountingLoader:
                 yield batch
         except TpustreamError as exc:
             raise _unwrap_worker_error(exc) from exc
+
+    def batches_of(self, items: Iterator[dict]) -> Iterator[dict]:
+        """The DataLoader's items as batches: one piece per worker each under a canonical partition.
+
+        The DataLoader takes its workers round-robin, so a batch's pieces arrive consecutively.
+        """
+        dataset = self.loader.dataset
+        count = dataset.pieces_per_batch
+        if count == 1 and dataset.pieces_draw:
+            yield from items
+            return
+        while pieces := [piece for _, piece in zip(range(count), items, strict=False)]:
+            yield dataset.join(pieces)
 
     def start_workers(self) -> None:
         """Start the persistent DataLoader workers now, immune to stop signals from their first moment.

@@ -18,6 +18,16 @@ A range boundary may fall inside a shard; both neighbours then read that shard
 and skip the other's samples. With at least world_size * workers shards that
 is at most one shared shard per boundary; with fewer shards it degrades into
 a sample-level split (``describe_sharing`` says so at start).
+
+That order depends on the readers (replicas x workers). Training runs use a
+**canonical partition** instead (``CanonicalPartition``), chosen when a run
+starts and kept in its checkpoints: the virtual sequence is cut into C
+canonical streams, each one contiguous range with its own shuffle buffer, and
+global step s takes the next ``global_batch / C`` samples of every stream, in
+stream order. Replica r reads streams [r C/R, (r+1) C/R) and its workers split
+those, so the samples of every global step, and their order in it, depend on
+(seed, epoch, shards, global batch, C) only: a run stopped on one shape
+continues on any other with R dividing C and at most C/R workers per replica.
 """
 
 from __future__ import annotations
@@ -189,6 +199,134 @@ def split_by_worker(
     first_batch = sum(worker_batches(steps, w, workers) for w in range(worker))
     count = worker_batches(steps, worker, workers)
     return slice_spans(replica_spans, first_batch * batch_size, (first_batch + count) * batch_size)
+
+
+# data.streams=auto: each replica's streams, at most this many per worker reading them at start.
+AUTO_STREAMS_PER_READER = 4
+
+
+@dataclass(frozen=True)
+class CanonicalPartition:
+    """An epoch cut into canonical streams: the training order's only dependence on the job's shape.
+
+    streams: C, the number of streams (a divisor of the global batch);
+    stream_buffer: samples each stream's shuffle buffer holds.
+    """
+
+    streams: int
+    stream_buffer: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"streams": self.streams, "stream_buffer": self.stream_buffer}
+
+    @classmethod
+    def from_dict(cls, plan: dict | None) -> CanonicalPartition | None:
+        """The partition a checkpoint's data_plan records (None: an older, per-reader plan)."""
+        if not plan or not plan.get("streams"):
+            return None
+        return cls(int(plan["streams"]), int(plan["stream_buffer"]))
+
+    def stream_batch(self, global_batch: int) -> int:
+        """Samples each stream gives every global step."""
+        return global_batch // self.streams
+
+    def streams_of(self, rank: int, world_size: int, worker: int, workers: int) -> range:
+        """The streams replica `rank`'s worker `worker` reads: its replica's, split in order.
+
+        The replica's C/R streams are its batch, in order; its workers take
+        contiguous runs of them (the first ones one more when they do not divide).
+        """
+        per_replica = self.streams // world_size
+        workers = max(workers, 1)
+        base, extra = divmod(per_replica, workers)
+        first = rank * per_replica + worker * base + min(worker, extra)
+        return range(first, first + base + (1 if worker < extra else 0))
+
+    def check_shape(self, world_size: int, replica_batch: int, workers: int) -> None:
+        """ConfigError unless a run with this shape can read the partition (before spawning where known)."""
+        global_batch = replica_batch * world_size
+        allowed = self.allowed_replicas()
+        if global_batch % self.streams:
+            raise ConfigError(
+                f"the run's {self.streams} canonical streams need a global batch they divide; "
+                f"batch_size gives {replica_batch} x {world_size} replica(s) = {global_batch}: keep the "
+                "global batch the run started with"
+            )
+        if self.streams % world_size:
+            raise ConfigError(
+                f"{world_size} replica(s) cannot share the run's {self.streams} canonical streams evenly: "
+                f"it continues on {', '.join(map(str, allowed))} replica(s)"
+            )
+        per_replica = self.streams // world_size
+        if max(workers, 1) > per_replica:
+            raise ConfigError(
+                f"data.num_workers={workers} is more than the {per_replica} canonical stream(s) each of "
+                f"{world_size} replica(s) reads: set data.num_workers to at most {per_replica}"
+            )
+
+    def allowed_replicas(self) -> list[int]:
+        return [r for r in range(1, self.streams + 1) if self.streams % r == 0]
+
+
+def choose_partition(
+    setting: str | int,
+    world_size: int,
+    replica_batch: int,
+    workers: int,
+    num_shards: int,
+    shuffle_buffer: int,
+) -> CanonicalPartition | None:
+    """The canonical partition of a run that starts now (data.streams; 0 = the per-reader plan: None).
+
+    auto: each replica's streams are a divisor of its batch, at least one per
+    worker and at most AUTO_STREAMS_PER_READER per worker, as many as that
+    allows while every stream can start on a shard of its own (more streams:
+    more shapes to continue on; more than shards: readers share shards). Each
+    stream's buffer is the reader's data.shuffle_buffer over its streams, so a
+    reader holds what it held without a partition. None when no divisor fits
+    (batch_size 1 per replica with several workers).
+    """
+    workers = max(workers, 1)
+    if setting == 0:
+        return None
+    if setting == "auto":
+        divisors = [d for d in range(1, replica_batch + 1) if replica_batch % d == 0]
+        fitting = [d for d in divisors if workers <= d <= AUTO_STREAMS_PER_READER * workers]
+        if not fitting:
+            return None
+        within = [d for d in fitting if world_size * d <= num_shards]
+        per_replica = max(within) if within else min(fitting)
+        streams = world_size * per_replica
+    else:
+        streams = int(setting)
+    per_reader = max(1, streams // (world_size * workers))
+    partition = CanonicalPartition(streams, -(-shuffle_buffer // per_reader) if shuffle_buffer > 1 else 0)
+    partition.check_shape(world_size, replica_batch, workers)
+    return partition
+
+
+def stream_spans(
+    ordered_shards: Sequence[ShardInfo], layout: EpochLayout, partition: CanonicalPartition, stream: int
+) -> list[SampleSpan]:
+    """The contiguous range of the epoch's sample sequence that canonical stream `stream` holds."""
+    length = layout.steps * partition.stream_batch(layout.global_batch_size)
+    return take_range(ordered_shards, stream * length, (stream + 1) * length)
+
+
+def describe_partition(partition: CanonicalPartition | None, global_batch: int) -> str:
+    """The training order in words, and the shapes a stopped run can continue on."""
+    if partition is None:
+        return (
+            "per replica and worker (data.streams=0, or a run begun without canonical streams): "
+            "stopped mid-epoch, it continues there only on the same replicas, batch and workers"
+        )
+    replicas = partition.allowed_replicas()
+    return (
+        f"{partition.streams} canonical streams of {partition.stream_batch(global_batch)} sample(s) a step "
+        f"(shuffle buffer {partition.stream_buffer} each): stopped mid-epoch, it continues at the same "
+        f"step on {', '.join(map(str, replicas))} replica(s) with a global batch of {global_batch}, "
+        f"up to {partition.streams} // replicas workers each"
+    )
 
 
 def describe_sharing(num_shards: int, world_size: int, workers: int) -> str | None:

@@ -329,6 +329,25 @@ def augment_batches(
         }
 
 
+def join_batches(parts: list[dict]) -> dict:
+    """Consecutive parts of one batch (canonical streams' chunks, workers' pieces) as one batch.
+
+    Tensors are concatenated in order, "filled" summed, "bad_shards" merged;
+    one part is returned as it is.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    joined: dict = {}
+    for name in parts[0]:
+        if name == "filled":
+            joined[name] = sum(part[name] for part in parts)
+        elif name == "bad_shards":
+            joined[name] = list(dict.fromkeys(url for part in parts for url in part[name]))
+        else:
+            joined[name] = torch.cat([part[name] for part in parts])
+    return joined
+
+
 def add_device_draws(
     batches: Iterable[dict[str, torch.Tensor | list[str]]], draws: Callable, epoch: int
 ) -> Iterator[dict[str, torch.Tensor | list[str]]]:

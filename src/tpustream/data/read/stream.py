@@ -30,12 +30,14 @@ from tpustream.data.read.memory import (
     take_memory_samples,
 )
 from tpustream.data.read.plan import (
+    CanonicalPartition,
     EpochLayout,
     SampleSpan,
     order_shards,
     plan_layout,
     split_by_replica,
     split_by_worker,
+    stream_spans,
     worker_batches,
 )
 from tpustream.data.read.stages import (
@@ -44,6 +46,7 @@ from tpustream.data.read.stages import (
     augment_batches,
     batch_samples,
     decode_samples,
+    join_batches,
     read_span_samples,
     shuffle_samples,
     skip_samples,
@@ -51,6 +54,8 @@ from tpustream.data.read.stages import (
 from tpustream.data.read.user_stages import apply_user_stages
 
 SampleDecoder = Callable[[dict], tuple[np.ndarray, int]]
+# Keeps the canonical streams' generators apart from the per-reader plan's.
+STREAM_SALT = 0x5354524D  # "STRM"
 
 
 class StreamedSamples:
@@ -99,6 +104,11 @@ class ShardStream(IterableDataset):
     in_memory=True reads and decodes the whole split once, at construction,
     into shared memory, and serves the same batches from there.
 
+    partition (training): the run's canonical streams (plan.CanonicalPartition).
+    Each DataLoader worker then yields, for every step, a piece of the batch
+    (the chunks of the streams it reads, in order): the loader receives the
+    workers' pieces round-robin and ``join`` makes them the batch.
+
     train_crop=random_resized crops images of any size to the manifest's
     (square) image size: random-resized crops and flips for training, drawn
     per (seed, epoch, sample), the evaluation centre crop otherwise.
@@ -116,6 +126,7 @@ class ShardStream(IterableDataset):
         seed: int,
         augment: AugmentConfig | None = None,
         augment_group: int = 0,
+        partition: CanonicalPartition | None = None,
     ):
         """The run's data.* section whole; the rest says which replica, split and batch this is.
 
@@ -153,11 +164,11 @@ class ShardStream(IterableDataset):
             if data.in_memory:
                 raise ValueError("in_memory holds decoded images; random_resized crops need the encoded ones")
             self.crops = CroppingDecoder(self.decoder, train, seed, data.eval_crop_ratio, data.hflip)
+        self.group = augment_group or batch_size  # one device's batch
         self.draws: BatchDraws | None = None
         if train and augment is not None and augment.active():
             channels, out_height, out_width = self.decoder.shape
-            group = augment_group or batch_size
-            self.draws = BatchDraws(augment, (out_height, out_width), channels, group, seed)
+            self.draws = BatchDraws(augment, (out_height, out_width), channels, self.group, seed)
         # Validation always pads and masks so it covers every sample once.
         self.layout: EpochLayout = plan_layout(
             manifest.num_samples,
@@ -166,6 +177,9 @@ class ShardStream(IterableDataset):
             LastBatch(data.last_batch) if train else LastBatch.pad,
             manifest.split,
         )
+        self.partition = partition if train else None
+        if self.partition is not None:
+            self.partition.check_shape(world_size, batch_size, self.num_workers)
         # Loaded here, in the replica's main process, not on first iteration:
         # with DataLoader workers __iter__ only ever runs in the workers, which
         # receive this object by pickling when the loader first iterates. Loaded
@@ -204,12 +218,44 @@ class ShardStream(IterableDataset):
         the ones of its batches that came before.
         """
         skip = self._skip.value
+        if self.partition is not None:
+            return worker, skip  # every worker gives a piece of every batch
         role = (worker + skip) % workers
         return role, max(0, -(-(skip - role) // workers))
 
     def __len__(self) -> int:
-        """Batches of the current pass (an epoch, or what is left of it when resuming)."""
-        return self.layout.steps - self._skip.value
+        """Items the loader yields in the current pass (an epoch, or what is left of it when resuming)."""
+        return (self.layout.steps - self._skip.value) * self.pieces_per_batch
+
+    @property
+    def pieces_per_batch(self) -> int:
+        """Items of the loader that make one batch: one per worker under a canonical partition."""
+        return max(self.num_workers, 1) if self.partition is not None else 1
+
+    def join(self, pieces: list[dict]) -> dict:
+        """One batch from its pieces, in worker order; with the device's draws unless workers added them."""
+        if len(pieces) == 1 and (self.draws is None or self.pieces_draw):
+            return pieces[0]
+        batch = join_batches(pieces)
+        if self.draws is not None and not self.pieces_draw:
+            batch.update(self.draws(self.epoch, batch["sample_id"].numpy()))
+        return batch
+
+    @property
+    def pieces_draw(self) -> bool:
+        """Whether each worker's piece holds whole augmentation groups, so it adds the draws itself.
+
+        A group's pairs and batch-level draws belong to its first sample, so
+        the draws of a piece are the whole batch's only when no group
+        straddles two pieces; otherwise the replica's process draws for the
+        joined batch.
+        """
+        if self.partition is None:
+            return True
+        chunk = self.partition.stream_batch(self.layout.global_batch_size)
+        workers = self.pieces_per_batch
+        streams = [self.partition.streams_of(0, self.world_size, w, workers) for w in range(workers)]
+        return all(len(mine) * chunk % self.group == 0 for mine in streams)
 
     def worker_spans(self, worker: int, workers: int) -> list[SampleSpan]:
         shards = order_shards(self.manifest.shards, self.seed, self.epoch, shuffle=self.train)
@@ -218,6 +264,10 @@ class ShardStream(IterableDataset):
 
     def _rng(self, worker: int, stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, self.epoch, self.rank, worker, stream])
+
+    def _stream_rng(self, stream: int, use: int) -> np.random.Generator:
+        """A canonical stream's generator: the same whichever replica and worker read the stream."""
+        return np.random.default_rng([self.seed, self.epoch, STREAM_SALT, stream, use])
 
     @property
     def memory(self) -> SplitMemory | None:
@@ -228,7 +278,79 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         worker, skip = self.worker_role(worker, workers)
+        if self.partition is not None:
+            return self.pieces(worker, workers, skip)
         return iter(self.pipeline(worker, workers, skip))
+
+    def pieces(self, worker: int, workers: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This worker's piece of every batch from batch skip on: its streams' chunks, joined in order."""
+        assert self.partition is not None
+        streams = self.partition.streams_of(self.rank, self.world_size, worker, workers)
+        chunks = [iter(self.stream_pipeline(stream, skip)) for stream in streams]
+        for parts in zip(*chunks, strict=True):  # every stream gives steps - skip chunks
+            piece = join_batches(list(parts))
+            if self.draws is not None and self.pieces_draw:
+                piece.update(self.draws(self.epoch, piece["sample_id"].numpy()))
+            yield piece
+
+    def stream_pipeline(self, stream: int, skip: int) -> wds.DataPipeline:
+        """One canonical stream's chunks (global_batch / C samples a step) from step skip on.
+
+        Its shuffle, its bad-data fills and its pad-crop draws are its own, so
+        they are the same whoever reads it.
+        """
+        assert self.partition is not None
+        on_error = ErrorPolicy(self.on_error)
+        chunk = self.partition.stream_batch(self.layout.global_batch_size)
+        shards = order_shards(self.manifest.shards, self.seed, self.epoch, shuffle=True)
+        spans = stream_spans(shards, self.layout, self.partition, stream)
+        augment_rng = self._stream_rng(stream, 2) if self.crops is None else None
+        if augment_rng is not None:
+            for _ in range(skip):
+                draw_crop_flip(augment_rng, chunk, self.crop_padding, self.hflip)
+        return wds.DataPipeline(
+            [spans],
+            self.samples.read(on_error),
+            functools.partial(
+                shuffle_samples, buffer_size=self.partition.stream_buffer, rng=self._stream_rng(stream, 1)
+            ),
+            functools.partial(skip_samples, count=skip * chunk, on_error=on_error),
+            *self.sample_stages(on_error),
+            functools.partial(
+                batch_samples,
+                batch_size=chunk,
+                num_batches=self.layout.steps - skip,
+                shape=self.decoder.shape,
+                on_error=on_error,
+            ),
+            functools.partial(
+                augment_batches,
+                rng=augment_rng,
+                crop_padding=self.crop_padding,
+                hflip=self.hflip,
+                on_error=on_error,
+            ),
+        )
+
+    def sample_stages(self, on_error: ErrorPolicy) -> list[Callable | None]:
+        """Decoding, then the user's stages (None where there are none)."""
+        return [
+            self.samples.decode(
+                on_error, self.crops.for_epoch(self.epoch) if self.crops is not None else self.decoder
+            ),
+            (
+                functools.partial(
+                    apply_user_stages,
+                    paths=self.stages,
+                    shape=self.decoder.shape,
+                    num_classes=self.decoder.num_classes,
+                    shard_urls=[shard.url for shard in self.manifest.shards],
+                    on_error=on_error,
+                )
+                if self.stages
+                else None
+            ),
+        ]
 
     def pipeline(self, worker: int, workers: int, skip: int) -> wds.DataPipeline:
         """This worker's stages for the current epoch, as one webdataset pipeline."""
@@ -253,21 +375,7 @@ class ShardStream(IterableDataset):
                 else None
             ),
             functools.partial(skip_samples, count=skip * self.batch_size, on_error=on_error),
-            self.samples.decode(
-                on_error, self.crops.for_epoch(self.epoch) if self.crops is not None else self.decoder
-            ),
-            (
-                functools.partial(
-                    apply_user_stages,
-                    paths=self.stages,
-                    shape=shape,
-                    num_classes=self.decoder.num_classes,
-                    shard_urls=[shard.url for shard in self.manifest.shards],
-                    on_error=on_error,
-                )
-                if self.stages
-                else None
-            ),
+            *self.sample_stages(on_error),
             functools.partial(
                 batch_samples,
                 batch_size=self.batch_size,
