@@ -178,13 +178,15 @@ def test_output_dir_in_a_missing_bucket_fails_before_training(prepared, gcs_emul
         prepared("output_dir=gs://no-such-bucket-tps/run")
 
 
-def checkpoint_bytes(weights: dict, config: dict | None = None, **position) -> bytes:
-    """A checkpoint as the trainer writes one: these weights, config and TrainState fields."""
+def checkpoint_bytes(
+    weights: dict, config: dict | None = None, data_plan: dict | None = None, **position
+) -> bytes:
+    """A checkpoint as the trainer writes one: these weights, config, data plan and TrainState fields."""
     from tpustream.checkpoint import encode_checkpoint
     from tpustream.training.state import TrainState
 
     content = TrainState(**position).to_checkpoint(
-        model=weights, optimizer={}, strategy="ddp", rng={}, data_plan={}, config=config or {}
+        model=weights, optimizer={}, strategy="ddp", rng={}, data_plan=data_plan or {}, config=config or {}
     )
     return encode_checkpoint({**content, "config": config})
 
@@ -234,6 +236,44 @@ def test_a_run_folder_continued_under_another_config_is_refused_naming_the_keys(
     caplog.clear()
     prepared(f"output_dir={tmp_path}/new", f"resume={out}/checkpoints/last.pt")  # named: fine-tuning
     assert "written with another config (optim.lr: 0.05 -> 0.1)" in caplog.text
+
+
+def test_a_run_with_canonical_streams_continues_on_another_shape_with_its_global_batch(prepared, tmp_path):
+    """Issue 23: batch_size may change with the shape; what cannot continue is one line before spawning."""
+    from tpustream import storage
+    from tpustream.models import create_model
+
+    out = str(tmp_path / "run")
+    made = prepared(
+        f"output_dir={out}", "accelerator=cpu_eager", "accelerator.num_devices=2", "batch_size=32"
+    )
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
+    # Stopped at step 5 of epoch 0 on 2 replicas x 32 x 2 workers, with 4 canonical streams.
+    plan = {"world_size": 2, "batch_size": 32, "num_workers": 2, "steps_per_epoch": 23, "seed": 0}
+    plan.update(streams=4, stream_buffer=1000, global_batch=64)
+    written = checkpoint_bytes(weights, made.config_dict, plan, step=5, global_step=5)
+    storage.write_bytes(f"{out}/checkpoints/last.pt", written)
+    eager = ("accelerator=cpu_eager", f"output_dir={out}", "resume=auto")
+    for shape in (("accelerator.num_devices=4", "batch_size=16", "data.num_workers=1"), ("batch_size=64",)):
+        resumed = prepared(*eager, *shape)
+        assert resumed.partition(resumed.cfg.accelerator.num_devices, resumed.cfg.batch_size).streams == 4
+    with pytest.raises(
+        ConfigError, match=r"global batch of 64 .*: set batch_size=64 to continue it on 1 replica"
+    ):
+        prepared(*eager, "batch_size=32", "accelerator.num_devices=1")
+    with pytest.raises(
+        ConfigError, match=r"8 replica\(s\) cannot share the run's 4 canonical streams evenly: .* 1, 2, 4 rep"
+    ):
+        prepared(*eager, "accelerator.num_devices=8", "batch_size=8")
+    with pytest.raises(ConfigError, match=r"data.num_workers=3 is more than the 1 canonical stream"):
+        prepared(*eager, "accelerator.num_devices=4", "batch_size=16", "data.num_workers=3")
+    # Under a per-reader plan (an older run) batch_size stays part of the run's config.
+    storage.write_bytes(
+        f"{out}/checkpoints/last.pt",
+        checkpoint_bytes(weights, made.config_dict, plan | {"streams": 0}, step=5),
+    )
+    with pytest.raises(ConfigError, match=r"another config \(batch_size: 32 -> 16"):
+        prepared(*eager, "accelerator.num_devices=4", "batch_size=16")
 
 
 def finished_run(out: str, epochs: int = 3, best_epoch: int = 1) -> bytes:

@@ -286,13 +286,13 @@ def test_canonical_global_batches_are_the_same_on_every_shape_and_resume_from_an
     assert len(reference) == 9
     real_ids = torch.cat([b["sample_id"][b["real"] > 0] for b in reference])
     assert sorted(real_ids.tolist()) == sorted(set(real_ids.tolist())) and len(real_ids) == 103
-    for world, workers in SHAPES[1:]:
+    for world, workers, in_memory in [*((w, n, False) for w, n in SHAPES[1:]), (3, 2, True)]:
         for skip in (0, 4):
-            batches = global_batches(uneven_split, world, workers, skip, **options)
+            batches = global_batches(uneven_split, world, workers, skip, in_memory=in_memory, **options)
             assert len(batches) == 9 - skip, (world, workers, skip)
             for step, (a, b) in enumerate(zip(reference[skip:], batches, strict=True), start=skip):
                 for key in a:  # pixels too: crops, flips and the user's stage drawn alike
-                    assert torch.equal(a[key], b[key]), (world, workers, skip, step, key)
+                    assert torch.equal(a[key], b[key]), (world, workers, in_memory, skip, step, key)
 
 
 def test_canonical_pieces_from_dataloader_workers_join_into_the_in_process_batches(uneven_split):

@@ -14,13 +14,14 @@ import re
 import signal
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import REPO, run_train, train_command
 from tpustream.checkpoint import load_checkpoint, read_metrics
-from tpustream.data.read.plan import order_shards, plan_layout, split_by_replica
+from tpustream.data.read.plan import choose_partition, order_shards, plan_layout, stream_spans
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import PREEMPTED_EXIT_CODE
@@ -96,16 +97,18 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
 
 
 def test_a_failing_replica_stops_the_whole_pod(digits_bucket, tmp_path):
-    # Remove a shard that exactly one replica reads in epoch 0 (seed 0, batch 64).
+    # Remove a shard that exactly one replica reads in epoch 0 (seed 0, batch 64, no workers).
     manifest = load_manifest(f"{digits_bucket}/digits/train")
     layout = plan_layout(manifest.num_samples, 64, REPLICAS)
     order = order_shards(manifest.shards, seed=0, epoch=0, shuffle=True)
-    readers = {
-        shard.url: [
-            r for r in range(REPLICAS) if shard.url in {s.url for s in split_by_replica(order, layout, r)}
-        ]
-        for shard in manifest.shards
-    }
+    partition = choose_partition("auto", REPLICAS, 64, 0, len(manifest.shards), 0)
+    assert partition is not None
+
+    def urls(rank: int) -> set[str]:
+        streams = partition.streams_of(rank, REPLICAS, 0, 0)
+        return {span.url for c in streams for span in stream_spans(order, layout, partition, c)}
+
+    readers = {shard.url: [r for r in range(REPLICAS) if shard.url in urls(r)] for shard in manifest.shards}
     shard, (reader,) = next((url, rs) for url, rs in readers.items() if len(rs) == 1)
     bucket, name = gcs.split_gcs_url(shard)
     gcs.gcs_client().bucket(bucket).blob(name).delete()
@@ -127,25 +130,36 @@ def test_a_failing_replica_stops_the_whole_pod(digits_bucket, tmp_path):
     assert len(errors) == 1 and f"replica {reader}: {shard}" in errors[0]
 
 
-def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_fewer_replicas(digits_bucket, tmp_path):
+def sample_log_steps(folder: Path, pass_name: str, replicas: int, batch: int) -> np.ndarray:
+    """A pass's global batches, (steps, replicas x batch) sample ids, from its replicas' sample logs."""
+    parts = [np.load(folder / f"train-epoch000-replica{rank:03d}{pass_name}.npy") for rank in range(replicas)]
+    return np.concatenate([part.reshape(-1, batch) for part in parts], axis=1)
+
+
+def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(digits_bucket, tmp_path):
     # Replica processes over gloo without XLA (accelerator=cpu_eager): the launcher, stop votes,
     # checkpoints and resume are the XLA pod's code, at eager speed. A slow input stage (30 ms a
-    # sample, no workers) keeps the 12 steps from ending before the signal lands, and starves
-    # the run, which the time breakdown and its advice must say.
+    # sample) keeps the 12 steps from ending before the signal lands, and starves the run,
+    # which the time breakdown and its advice must say.
     run = f"{digits_bucket}/runs/preempted"
+    samples = tmp_path / "samples"
     common = [
         "accelerator=cpu_eager",
         f"data.root={digits_bucket}/digits",
         f"data.train_shards='{digits_bucket}/digits/{TRAIN_SUBSET}'",  # Hydra needs braces quoted
-        f"output_dir={run}",
-        "data.num_workers=0",
-        "data.stages=[tests.user_stages:slow]",
-        "batch_size=16",
         "epochs=1",
         "log_steps=1",
+        f"debug.sample_log_dir={samples}",
+    ]
+    # 4 replicas x 16 x 2 workers: 8 canonical streams (auto), so 2 x 32 x 1 worker continues it.
+    stopped = [
+        *common,
+        f"output_dir={run}",
+        "data.stages=[tests.user_stages:slow]",
         "checkpoint.stop_check_every=2",
     ]
-    command = train_command(*common, f"accelerator.num_devices={REPLICAS}")
+    first_shape = ["batch_size=16", "data.num_workers=2", f"accelerator.num_devices={REPLICAS}"]
+    command = train_command(*stopped, *first_shape)
     process = subprocess.Popen(
         [*command, f"hydra.run.dir={tmp_path}/h1"], cwd=REPO, stderr=subprocess.PIPE, text=True
     )
@@ -162,18 +176,43 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_fewer_replicas(d
     text = "".join(lines)
     assert process.wait(timeout=300) == PREEMPTED_EXIT_CODE, text[-4000:]
     saved = load_checkpoint(f"{run}/checkpoints/last.pt")
-    assert saved["position"]["epoch"] == 0 and 6 <= saved["position"]["step"] < 12
-    assert saved["data_plan"]["world_size"] == REPLICAS
+    stop = saved["position"]["step"]
+    assert saved["position"]["epoch"] == 0 and 6 <= stop < 12
+    assert saved["data_plan"]["world_size"] == REPLICAS and saved["data_plan"]["streams"] == 8
     assert "received SIGTERM" in text
 
-    # Two replicas now: the partial epoch restarts (its data order depends on the replica count).
-    resumed = run_train(*common, "accelerator.num_devices=2", f"hydra.run.dir={tmp_path}/h2")
+    # Two replicas of 32 with one worker each now: the same global batch of 64, so the run
+    # continues at the step it stopped (batch_size differs from the run folder's: allowed).
+    second_shape = ["batch_size=32", "data.num_workers=1", "accelerator.num_devices=2"]
+    resumed = run_train(*stopped, *second_shape, f"hydra.run.dir={tmp_path}/h2")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "epoch 0 restarts from its first batch" in resumed.stderr
+    assert f"stopped at step {stop} of epoch 0 under 4 replica(s) x batch 16, 2 worker(s); continuing" in (
+        resumed.stderr
+    )
     history = read_metrics(run)
     assert [m["epoch"] for m in history] == [0]
-    assert history[0]["train_samples"] == 768 and history[0]["replica_steps"] == 24  # 768 / (16 x 2)
+    assert history[0]["train_samples"] == 768 and history[0]["replica_steps"] == 12  # 768 / 64
+    # Every global step trained the samples of an uninterrupted run's step, in its order
+    # (here one replica of 64 reading the same 8 streams itself, without the slow stage).
+    straight = f"{digits_bucket}/runs/straight"
+    reference = run_train(
+        *common,
+        f"output_dir={straight}",
+        f"debug.sample_log_dir={tmp_path / 'straight'}",
+        "batch_size=64",
+        "data.num_workers=0",
+        "data.streams=8",
+        "accelerator.num_devices=1",
+        "accelerator.in_process=true",
+        f"hydra.run.dir={tmp_path}/h3",
+    )
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    expected = sample_log_steps(tmp_path / "straight", "", 1, 64)
+    assert expected.shape == (12, 64) and len(set(expected.ravel())) == 768
+    before = sample_log_steps(samples, f"-to{stop:05d}", REPLICAS, 16)
+    after = sample_log_steps(samples, f"-from{stop:05d}", 2, 32)
+    assert np.array_equal(np.concatenate([before, after]), expected)
     # Starved, and the advice names the setting. The rest of the loop is mostly the all-reduce
     # waiting for the other replica's input; the advice's own threshold is the bar.
     assert history[0]["input_wait_fraction"] > INPUT_BOUND, history[0]
-    assert "advice: input-bound" in resumed.stderr and "raise data.num_workers from 0 to" in resumed.stderr
+    assert "advice: input-bound" in resumed.stderr and "raise data.num_workers from 1 to" in resumed.stderr

@@ -41,8 +41,12 @@ def advise(
     num_workers: int | None = None,
     cpus: int | None = None,
     shards_per_replica: float | None = None,
+    max_workers: int | None = None,
 ) -> list[str]:
-    """Findings for these epoch records (metrics.jsonl lines); the run's settings when known."""
+    """Findings for these epoch records (metrics.jsonl lines); the run's settings when known.
+
+    max_workers: the most workers a replica may have (its canonical streams).
+    """
     steady = measured(records)
     if not steady:
         return []
@@ -54,7 +58,15 @@ def advise(
         if num_workers is not None:
             target = suggested_workers(num_workers, wait)
             room = f" (this host has {cpus} vCPUs)" if cpus else ""
+            if max_workers is not None and target > max_workers:
+                target = max_workers
+                room += f"; at most {max_workers}, the canonical streams each replica reads"
             change = f"raise data.num_workers from {num_workers} to about {target}{room}"
+            if target <= num_workers:
+                change = (
+                    f"data.num_workers={num_workers} is the most the run's canonical streams allow a "
+                    "replica: start the next run with more data.streams"
+                )
         else:
             change = "raise data.num_workers"
             target = None

@@ -178,6 +178,7 @@ class EpochReporter:
         self.setup_seconds: float | None = None
         # The training split's shards per replica, for the advice (the launcher sets it).
         self.shards_per_replica: float | None = None
+        self.max_workers: int | None = None  # a replica's canonical streams, when the run has them
 
     def mark_setup_done(self) -> None:
         """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
@@ -335,7 +336,8 @@ class EpochReporter:
         self._write_run_file(checkpoint.write_metrics, history)
         if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
             workers, cpus = self.cfg.data.num_workers, os.cpu_count()
-            for finding in advise(history, workers, cpus, self.shards_per_replica):
+            findings = advise(history, workers, cpus, self.shards_per_replica, self.max_workers)
+            for finding in findings:
                 log.info("advice: %s", finding)
 
     def _write_run_file(self, writer: Callable[[str, Any], None], content: Any) -> None:
