@@ -156,6 +156,11 @@ def test_describe_sharing_only_when_there_are_fewer_shards_than_readers():
     assert describe_sharing(8, 2, 2) is None
     assert describe_sharing(8, 4, 0) is None
     note = describe_sharing(3, 2, 2)
+    # Under a canonical partition the readers are its streams, whatever the workers.
+    assert describe_sharing(8, 2, 2, CanonicalPartition(8, 10)) is None
+    note = describe_sharing(8, 1, 0, CanonicalPartition(16, 10))
+    assert note is not None and note.startswith("8 shard(s) for 16 canonical streams")
+    note = describe_sharing(3, 2, 2)
     assert note is not None and "3 shard(s)" in note and "4 readers" in note
 
 

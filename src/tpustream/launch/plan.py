@@ -67,9 +67,12 @@ class RunPlan:
     def partition(self, world_size: int, replica_batch: int) -> CanonicalPartition | None:
         """The training order's canonical partition on this shape (ConfigError where it cannot be read).
 
-        A resumed run keeps its checkpoint's partition (the same global batch
-        assumed: a changed one restarts the epoch anyway, under a new one);
-        a checkpoint without one (an older run) keeps the per-reader plan. A
+        A resumed run keeps its checkpoint's partition, on any shape with the
+        global batch it began with; another global batch is an error naming
+        the batch_size to set, unless under resume=force or at an epoch's
+        start with batch_size unchanged (more replicas), where the run takes
+        a new partition (its epoch restarts: TrainState.under_data_plan). A
+        checkpoint without one (an older run) keeps the per-reader plan; a
         fresh run chooses one from data.streams.
         """
         cfg = self.cfg

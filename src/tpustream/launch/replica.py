@@ -92,15 +92,15 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     log.info("replica %d of %d on %s (pid %d)%s", *where)
     check_data(cfg, plan.train, plan.val, runtime.world_size, runtime.local_devices)
     check_same_counts(runtime, plan.train, plan.val)
-    note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers)
-    if note and runtime.is_master:
-        log.warning("train: %s", note)
     torch.manual_seed(cfg.seed)  # reproducible initial weights (broadcast from the master anyway)
     # Device randomness (dropout and the like) differs per replica, reproducibly.
     runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
 
     replica_batch = replica_batch_size(cfg, runtime.local_devices)
     partition = None if cfg.eval_only else plan.partition(runtime.world_size, replica_batch)
+    note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers, partition)
+    if note and runtime.is_master:
+        log.warning("train: %s", note)
 
     def stream(manifest: ShardManifest, train: bool) -> ShardStream:
         return ShardStream(

@@ -325,12 +325,22 @@ def describe_partition(partition: CanonicalPartition | None, global_batch: int) 
         f"{partition.streams} canonical streams of {partition.stream_batch(global_batch)} sample(s) a step "
         f"(shuffle buffer {partition.stream_buffer} each): stopped mid-epoch, it continues at the same "
         f"step on {', '.join(map(str, replicas))} replica(s) with a global batch of {global_batch}, "
-        f"up to {partition.streams} // replicas workers each"
+        f"each with up to {partition.streams}/replicas workers"
     )
 
 
-def describe_sharing(num_shards: int, world_size: int, workers: int) -> str | None:
-    """A start-up note when there are too few shards for one reader each."""
+def describe_sharing(
+    num_shards: int, world_size: int, workers: int, partition: CanonicalPartition | None = None
+) -> str | None:
+    """A start-up note when there are too few shards for one reader (canonical stream) each."""
+    if partition is not None:
+        if num_shards >= partition.streams:
+            return None
+        return (
+            f"{num_shards} shard(s) for {partition.streams} canonical streams: splitting by sample "
+            "ranges, so streams share shards and skip each other's samples; write more shards for "
+            "fully parallel reads"
+        )
     slots = world_size * max(workers, 1)
     if num_shards >= slots:
         return None
