@@ -107,6 +107,9 @@ class FakeRuntime:
     def place(self, tensors) -> None:
         pass
 
+    def prepare_model(self, model):
+        return model
+
     def _exchange(self, what: str, value: Any) -> list[Any]:
         self.collectives.append(what)
         return self.world.exchange(self.rank, what, value)

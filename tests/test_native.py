@@ -44,6 +44,8 @@ def native(root: str, out: str, hydra_dir: str, *more: str) -> list[str]:
         f"output_dir={out}",
         "data.num_workers=1",
         "epochs=3",
+        # NHWC weights and batches: what a GPU run would use, through every test here.
+        "accelerator.channels_last=true",
         f"hydra.run.dir={hydra_dir}",
         *more,
     ]
@@ -149,3 +151,31 @@ def test_checkpoints_cross_between_native_and_xla(digits_root, straight, tmp_pat
     history = read_metrics(run)
     assert [m["epoch"] for m in history] == [0, 1]
     assert history[1]["train_loss"] < history[0]["train_loss"]
+
+
+def test_channels_last_lays_out_the_model_and_every_batch_and_compile_keeps_the_state_dict():
+    import torch
+
+    from tpustream.models import create_model
+    from tpustream.runtime.native import NativeRuntime
+
+    runtime = NativeRuntime(0, 1, 0, torch.device("cpu"), channels_last=True, compile=True)
+    model = create_model("small_cnn", num_classes=10, image_size=32, channels=3)
+    keys = list(model.state_dict())
+    prepared = runtime.prepare_model(model)
+    conv = next(p for p in prepared.parameters() if p.dim() == 4)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    # Compiled in place: the same keys, so checkpoints move between compiled and plain runs.
+    assert prepared is model and list(prepared.state_dict()) == keys
+    assert prepared._compiled_call_impl is not None
+    batch = {"image": torch.zeros(2, 3, 32, 32, dtype=torch.uint8), "label": torch.zeros(2)}
+    (moved,) = runtime.device_loader([batch])
+    assert moved["image"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_native_layout_and_compile_are_refused_under_xla():
+    from tpustream.config import AcceleratorConfig
+    from tpustream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="accelerator.compile is the native runtime's"):
+        AcceleratorConfig(compile=True).check()

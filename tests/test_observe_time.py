@@ -39,6 +39,15 @@ def test_mfu_is_model_flops_per_second_over_the_chips_peak():
     assert chip_from_accelerator_type("v5litepod-16") is CHIPS["v5e"]
     assert chip_from_accelerator_type("v3-32").devices_per_chip == 2
     assert chip_from_accelerator_type("v9") is None and chip_from_accelerator_type(None) is None
+    # GPUs by CUDA's device names: whole words, the PCIe card apart from the SXM one.
+    assert chip_from_accelerator_type("NVIDIA H200").peak_flops == 989e12
+    assert chip_from_accelerator_type("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert chip_from_accelerator_type("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert chip_from_accelerator_type("NVIDIA A100-SXM4-80GB").name == "A100"
+    assert (
+        chip_from_accelerator_type("NVIDIA L40S") is None
+        and chip_from_accelerator_type("NVIDIA H100 NVL") is None
+    )
 
 
 def test_a_run_records_its_flops_and_on_a_tpu_its_mfu(fake_job, tmp_path):

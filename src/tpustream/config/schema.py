@@ -159,12 +159,27 @@ class AcceleratorConfig:
     runtime: RuntimeKind = RuntimeKind.xla
     # Run the single replica inside this process instead of a spawned child (debuggers).
     in_process: bool = False
+    # The native runtime's (accelerator=cuda, cpu_eager). deterministic: cuDNN's
+    # deterministic kernels and no autotuning, so runs and resumes repeat bit
+    # for bit (false: cudnn.benchmark, faster convolutions that may differ in
+    # the last bits). channels_last: the model's weights and each batch in
+    # NHWC (tensor cores' layout for convolutions). compile: torch.compile the
+    # model in place (its state_dict, so checkpoints, unchanged).
+    deterministic: bool = True
+    channels_last: bool = False
+    compile: bool = False
 
     def check(self) -> None:
         """How many devices, on its own (what the strategy allows is launch.checks.check_config's)."""
         if self.num_devices is not None and self.num_devices < 1:
             raise ConfigError(
                 f"accelerator.num_devices must be at least 1 (or null: every device), got {self.num_devices}"
+            )
+        native = [name for name in ("channels_last", "compile") if getattr(self, name)]
+        if native and self.runtime != RuntimeKind.native:
+            raise ConfigError(
+                f"accelerator.{native[0]} is the native runtime's (accelerator=cuda or cpu_eager); "
+                "XLA lays out and compiles the model itself"
             )
 
 

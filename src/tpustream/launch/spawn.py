@@ -184,7 +184,7 @@ def native_replica_main(local_rank: int, plan: RunPlan, hosts: NativeHosts) -> N
 
     acc = plan.cfg.accelerator
     rank = hosts.node_rank * hosts.per_node + local_rank
-    device = native_device(acc.device.value, local_rank)
+    device = native_device(acc.device.value, local_rank, acc.deterministic)
     dist.init_process_group(
         acc.collectives.value,
         init_method=hosts.init_method,
@@ -194,7 +194,10 @@ def native_replica_main(local_rank: int, plan: RunPlan, hosts: NativeHosts) -> N
     )
     try:
         replica_process(
-            plan, rank, hosts.world_size, lambda: NativeRuntime(rank, hosts.world_size, local_rank, device)
+            plan,
+            rank,
+            hosts.world_size,
+            lambda: NativeRuntime(rank, hosts.world_size, local_rank, device, acc.channels_last, acc.compile),
         )
     finally:
         dist.destroy_process_group()

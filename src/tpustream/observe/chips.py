@@ -1,4 +1,4 @@
-"""TPU chips' peak bf16 FLOP/s, and model FLOPs utilisation (MFU) against them.
+"""TPU chips' and NVIDIA GPUs' peak bf16 FLOP/s, and model FLOPs utilisation (MFU) against them.
 
 MFU = the model's training FLOPs per second (FLOPs per sample x samples per
 second) over the peak of the chips that ran them: what the model needs, not
@@ -36,13 +36,36 @@ CHIPS: dict[str, Chip] = {
 # Accelerator type prefixes (TPU_ACCELERATOR_TYPE, e.g. v5litepod-16) that name a chip otherwise.
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
 
+# NVIDIA's dense bf16 tensor-core peaks (their data sheets quote twice these, "with
+# sparsity"), matched against torch.cuda.get_device_name(), most specific first.
+GPUS: list[tuple[str, Chip]] = [
+    ("H200", Chip("H200", 989e12, 1, "https://www.nvidia.com/en-us/data-center/h200/")),
+    ("H100 PCIe", Chip("H100 PCIe", 756e12, 1, "https://www.nvidia.com/en-us/data-center/h100/")),
+    ("H100 80GB HBM3", Chip("H100 SXM", 989e12, 1, "https://www.nvidia.com/en-us/data-center/h100/")),
+    ("H100 SXM", Chip("H100 SXM", 989e12, 1, "https://www.nvidia.com/en-us/data-center/h100/")),
+    ("A100", Chip("A100", 312e12, 1, "https://www.nvidia.com/en-us/data-center/a100/")),
+    ("L4", Chip("L4", 121e12, 1, "https://www.nvidia.com/en-us/data-center/l4/")),
+]
+
 
 def chip_from_accelerator_type(accelerator_type: str | None) -> Chip | None:
-    """The chip of an accelerator type ("v4-32", "v5litepod-8", "v6e-8"), None if unknown."""
+    """The chip of an accelerator type ("v4-32", "v5litepod-8", "v6e-8") or GPU name, None if unknown.
+
+    GPU names are CUDA's ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"); a
+    GPU not in GPUS (an H100 NVL, a consumer card) has no MFU rather than a guessed one.
+    """
     if not accelerator_type:
         return None
+    if accelerator_type.startswith("NVIDIA"):
+        words = accelerator_type.replace("-", " ").split()
+        return next((chip for key, chip in GPUS if _has_words(words, key.split())), None)
     prefix = accelerator_type.split("-")[0].lower()
     return CHIPS.get(ALIASES.get(prefix, prefix))
+
+
+def _has_words(words: list[str], wanted: list[str]) -> bool:
+    """Whether wanted appears in words as consecutive whole words."""
+    return any(words[i : i + len(wanted)] == wanted for i in range(len(words) - len(wanted) + 1))
 
 
 def mfu(flops_per_sample: float, samples_per_second: float, devices: int, chip: Chip) -> float:

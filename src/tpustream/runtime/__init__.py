@@ -43,7 +43,7 @@ class Runtime(Protocol):
     def is_master(self) -> bool: ...
 
     def accelerator_type(self) -> str | None:
-        """The TPU's accelerator type ("v4", "v5litepod", ...) for MFU; None off TPUs."""
+        """The TPU's accelerator type ("v4", "v5litepod", ...) or the GPU's name, for MFU; None on CPUs."""
 
     def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
         """Iterate loader with batches already on the device (and a step boundary per batch).
@@ -56,6 +56,12 @@ class Runtime(Protocol):
 
         A no-op on one device per replica; under SPMD, where a graph's identity
         includes its inputs' shardings, they are annotated whole on every device.
+        """
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model on this replica's device as the runtime runs it (memory layout, compilation).
+
+        XLA lays out and compiles the graph itself: the model as it is.
         """
 
     def broadcast_parameters(self, model: nn.Module) -> None:

@@ -88,6 +88,9 @@ class XlaDevice:
     def is_master(self) -> bool:
         return self.rank == 0
 
+    def prepare_model(self, model):
+        return model  # XLA lays out and compiles the graph itself
+
     def accelerator_type(self) -> str | None:
         import torch_xla.runtime as xr
 

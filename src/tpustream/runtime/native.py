@@ -23,10 +23,18 @@ from tpustream.runtime.gloo import HostCollectives, average_flat
 CUDA_RNG_STATE_BYTES = 16
 
 
-def native_device(device_type: str, local_rank: int) -> torch.device:
-    """This replica's device: cuda:<local_rank> (made current), or the CPU."""
+def native_device(device_type: str, local_rank: int, deterministic: bool = True) -> torch.device:
+    """This replica's device: cuda:<local_rank> (made current, cuDNN set up), or the CPU.
+
+    deterministic: cuDNN's deterministic algorithms and no autotuning (what
+    bitwise resumes need: the autotuner may pick another kernel in a resumed
+    process, and some backward kernels add in a varying order); otherwise
+    cudnn.benchmark, the fastest kernel for each shape.
+    """
     if device_type == "CUDA":
         torch.cuda.set_device(local_rank)
+        torch.backends.cudnn.deterministic = deterministic
+        torch.backends.cudnn.benchmark = not deterministic
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -67,18 +75,37 @@ class NativeRuntime(HostCollectives):
 
     local_devices = 1
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        channels_last: bool = False,
+        compile: bool = False,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
+        self.channels_last = channels_last
+        self.compile = compile
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """channels_last weights; torch.compile in place (nn.Module.compile: the same state_dict keys)."""
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if self.compile:
+            model.compile()
+        return model
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
 
     def accelerator_type(self) -> str | None:
-        return None  # MFU's peak table is TPUs'
+        # The GPU's name, for MFU's peak table (observe.chips); a CPU has none.
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
 
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass
@@ -86,17 +113,23 @@ class NativeRuntime(HostCollectives):
     def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
         batches = timed(loader, wait)
         if self.device.type == "cpu":
-            yield from batches  # the batch is where the model is
+            yield from map(self._laid_out, batches)  # the batch is where the model is
             return
         # One batch ahead: the next batch's copy is queued before this one is trained on.
         pending = None
         for batch in batches:
-            moved = _to_device(batch, self.device)
+            moved = self._laid_out(_to_device(batch, self.device))
             if pending is not None:
                 yield pending
             pending = moved
         if pending is not None:
             yield pending
+
+    def _laid_out(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch's images in the model's memory layout (the uint8 copy is the cheap one to convert)."""
+        if self.channels_last and "image" in batch:
+            batch["image"] = batch["image"].contiguous(memory_format=torch.channels_last)
+        return batch
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         import torch.distributed as dist

@@ -100,7 +100,7 @@ class Trainer:
             # step on (torch_xla 2.9, seen here).
             model.load_state_dict(resume_from[0]["model"])
         average = average_on_host(cfg.ema, model, resume_from, runtime.is_master)
-        model = model.to(runtime.device)
+        model = runtime.prepare_model(model.to(runtime.device))
         runtime.broadcast_parameters(model)  # every replica starts from the master's weights
         self.model = self.wrap_model(model)
         self.optimizer = build_optimizer(cfg, self.model)
