@@ -23,7 +23,7 @@ from tpustream.runtime.gloo import HostCollectives, average_flat
 CUDA_RNG_STATE_BYTES = 16
 
 
-def native_device(device_type: str, local_rank: int, deterministic: bool = True) -> torch.device:
+def native_device(device_type: str, local_rank: int, deterministic: bool = False) -> torch.device:
     """This replica's device: cuda:<local_rank> (made current, cuDNN set up), or the CPU.
 
     deterministic: cuDNN's deterministic algorithms and no autotuning (what
