@@ -128,11 +128,14 @@ class DebugChecks:
     ) -> None:
         """The ids of the real samples this replica trained on in this pass, for exactness audits.
 
-        A pass resumed inside its epoch is named -fromSTEP, one stopped inside it -toSTEP.
+        A pass resumed inside its epoch is named -fromSTEP, one stopped inside it
+        -toSTEP: of its ids, only the batches trained (the loader runs ahead of the loop).
         """
         folder = self.cfg.sample_log_dir
         if not folder:
             return
+        if stop_step is not None:
+            sample_ids = sample_ids[: stop_step - start_step]
         os.makedirs(folder, exist_ok=True)
         suffix = f"-from{start_step:05d}" if start_step else ""
         suffix += f"-to{stop_step:05d}" if stop_step is not None else ""

@@ -120,10 +120,6 @@ class SpmdTrainer(Trainer):
                 for name, tensor in batch.items()
             }
 
-    def replica_batch(self) -> int:
-        # A host loads batch_size for each of its devices.
-        return self.cfg.batch_size * self.runtime.local_devices
-
     def model_and_optimizer_state(self) -> tuple[Any, Any]:
         return self.whole_state(self.model, "model"), self.optimizer.state_dict()
 

@@ -197,6 +197,31 @@ class TrainState:
         return dataclasses.replace(self, global_step=self.global_step - self.step, step=0, partial=None)
 
 
+def data_plan(
+    world_size: int,
+    replica_batch: int,
+    workers: int,
+    steps_per_epoch: int,
+    seed: int,
+    partition: dict[str, int] | None,
+) -> dict[str, int]:
+    """What a mid-epoch position depends on (under_data_plan): the shape, and the canonical partition.
+
+    Under a partition only the global batch, the steps, the seed and the
+    partition matter (same_order); the shape is kept to say what changed.
+    """
+    plan = {
+        "world_size": world_size,
+        "batch_size": replica_batch,
+        "num_workers": workers,
+        "steps_per_epoch": steps_per_epoch,
+        "seed": seed,
+    }
+    if partition is not None:
+        plan.update(partition, global_batch=replica_batch * world_size)
+    return plan
+
+
 # What an epoch's order depends on under a canonical partition (data.read.plan).
 CANONICAL_ORDER_KEYS = ("global_batch", "streams", "stream_buffer", "steps_per_epoch", "seed")
 

@@ -42,6 +42,7 @@ from tpustream.training.state import (
     ProgressAttribute,
     TrainState,
     capture_rng,
+    data_plan,
     plain_optimizer_state_fits,
     restore_rng,
 )
@@ -87,8 +88,7 @@ class Trainer:
         partition: dict[str, int] | None = None,
     ):
         self.cfg = cfg
-        # The training order's canonical partition (data.read.plan), recorded in the data plan.
-        self.partition = partition
+        self.partition = partition  # the training order's (data.read.plan), for the data plan
         self.config_dict = config_dict
         self.runtime = runtime
         self.train_state = TrainState()
@@ -107,17 +107,12 @@ class Trainer:
         prime_optimizer_state(self.optimizer)
         self.normalize = Normalizer(cfg.data.mean, cfg.data.std, runtime.device)
         # augment.*: on the device, in the step, from the draws each batch carries.
-        self.augment = (
-            DeviceAugment(
-                cfg.augment,
-                self.normalize,
-                cfg.optim.label_smoothing,
-                group=cfg.batch_size,
-                mean=cfg.data.mean,
+        self.augment: DeviceAugment | None = None
+        if cfg.augment.active():
+            smoothing, mean = cfg.optim.label_smoothing, cfg.data.mean
+            self.augment = DeviceAugment(
+                cfg.augment, self.normalize, smoothing, group=cfg.batch_size, mean=mean
             )
-            if cfg.augment.active()
-            else None
-        )
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.debug = DebugChecks(cfg.debug, runtime, cfg.output_dir)
@@ -168,26 +163,14 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
 
     # -- state ------------------------------------------------------------
-    def replica_batch(self) -> int:
-        """Samples one replica loads per step."""
-        return self.cfg.batch_size
-
     def data_plan(self) -> dict[str, int]:
-        """What a mid-epoch position depends on (TrainState.under_data_plan): shape and partition.
-
-        Under a canonical partition only the global batch, the steps, the seed
-        and the partition matter; the shape is kept to say what changed.
-        """
-        plan = {
-            "world_size": self.runtime.world_size,
-            "batch_size": self.replica_batch(),
-            "num_workers": self.cfg.data.num_workers,
-            "steps_per_epoch": self.steps_per_epoch,
-            "seed": self.cfg.seed,
-        }
-        if self.partition is not None:
-            plan.update(self.partition, global_batch=self.replica_batch() * self.runtime.world_size)
-        return plan
+        """What a mid-epoch position depends on (state.data_plan); an spmd host loads a batch per device."""
+        shape = (
+            self.runtime.world_size,
+            self.cfg.batch_size * self.runtime.local_devices,
+            self.cfg.data.num_workers,
+        )
+        return data_plan(*shape, self.steps_per_epoch, self.cfg.seed, self.partition)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What last.pt and best.pt hold now (a collective)."""
@@ -341,9 +324,7 @@ class Trainer:
                 self.epoch, self.step = epoch, step + 1
                 self._save(checkpoint.LAST)
                 if stop:
-                    # The loader has run ahead of the loop: only the trained batches' ids.
-                    trained = self.train_loader.sample_ids[: index + 1]
-                    self.debug.write_sample_log(trained, epoch, start_step, stop_step=step + 1)
+                    self.debug.write_sample_log(self.train_loader.sample_ids, epoch, start_step, step + 1)
                     raise preemption.Preempted(f"stopped at epoch {epoch}, step {step + 1}")
         self.train_loader.raise_if_incomplete("train")
         self.average_buffers()
