@@ -316,20 +316,7 @@ class ShardStream(IterableDataset):
             ),
             functools.partial(skip_samples, count=skip * chunk, on_error=on_error),
             *self.sample_stages(on_error),
-            functools.partial(
-                batch_samples,
-                batch_size=chunk,
-                num_batches=self.layout.steps - skip,
-                shape=self.decoder.shape,
-                on_error=on_error,
-            ),
-            functools.partial(
-                augment_batches,
-                rng=augment_rng,
-                crop_padding=self.crop_padding,
-                hflip=self.hflip,
-                on_error=on_error,
-            ),
+            *self.batch_stages(on_error, chunk, self.layout.steps - skip, augment_rng),
         )
 
     def sample_stages(self, on_error: ErrorPolicy) -> list[Callable | None]:
@@ -352,10 +339,32 @@ class ShardStream(IterableDataset):
             ),
         ]
 
+    def batch_stages(
+        self, on_error: ErrorPolicy, batch_size: int, batches: int, augment_rng: np.random.Generator | None
+    ) -> list[Callable]:
+        """Exactly `batches` batches of batch_size, pad-cropped and flipped when augment_rng is given."""
+        return [
+            functools.partial(
+                batch_samples,
+                batch_size=batch_size,
+                num_batches=batches,
+                shape=self.decoder.shape,
+                on_error=on_error,
+            ),
+            functools.partial(
+                augment_batches,
+                rng=augment_rng,
+                crop_padding=self.crop_padding,
+                hflip=self.hflip,
+                on_error=on_error,
+            ),
+        ]
+
     def pipeline(self, worker: int, workers: int, skip: int) -> wds.DataPipeline:
         """This worker's stages for the current epoch, as one webdataset pipeline."""
         on_error = ErrorPolicy(self.on_error)
         spans = self.worker_spans(worker, workers)
+        batches = worker_batches(self.layout.steps, worker, workers) - skip
         # Random-resized crops and their flips are drawn per sample while
         # decoding; the batch-level pad-crop draws from this worker's stream.
         augment_rng = self._rng(worker, 2) if self.train and self.crops is None else None
@@ -363,7 +372,6 @@ class ShardStream(IterableDataset):
             # Advance past the skipped batches' draws, as augmenting them would have.
             for _ in range(skip):
                 draw_crop_flip(augment_rng, self.batch_size, self.crop_padding, self.hflip)
-        shape = self.decoder.shape
         return wds.DataPipeline(
             # The source: this worker's part of the epoch plan. Wrapped, because
             # DataPipeline splices a list argument into its stages.
@@ -376,19 +384,6 @@ class ShardStream(IterableDataset):
             ),
             functools.partial(skip_samples, count=skip * self.batch_size, on_error=on_error),
             *self.sample_stages(on_error),
-            functools.partial(
-                batch_samples,
-                batch_size=self.batch_size,
-                num_batches=worker_batches(self.layout.steps, worker, workers) - skip,
-                shape=shape,
-                on_error=on_error,
-            ),
-            functools.partial(
-                augment_batches,
-                rng=augment_rng,
-                crop_padding=self.crop_padding,
-                hflip=self.hflip,
-                on_error=on_error,
-            ),
+            *self.batch_stages(on_error, self.batch_size, batches, augment_rng),
             functools.partial(add_device_draws, draws=self.draws, epoch=self.epoch) if self.draws else None,
         )
