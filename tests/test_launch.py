@@ -274,6 +274,8 @@ def test_a_run_with_canonical_streams_continues_on_another_shape_with_its_global
     )
     with pytest.raises(ConfigError, match=r"another config \(batch_size: 32 -> 16"):
         prepared(*eager, "accelerator.num_devices=4", "batch_size=16")
+    older = prepared(*eager, "accelerator.num_devices=2", "batch_size=32")
+    assert older.partition(2, 32) is None  # and keeps it: the epoch resumes only on the same shape
 
 
 def finished_run(out: str, epochs: int = 3, best_epoch: int = 1) -> bytes:

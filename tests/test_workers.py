@@ -54,7 +54,9 @@ def test_one_workers_rate_is_measured_on_the_training_pipeline(digits_root):
     assert 0 < rate < math.inf
 
 
-def test_auto_is_resolved_in_both_forms_of_the_config_and_a_mid_epoch_resume_keeps_its_count(digits_root):
+def test_auto_is_resolved_in_both_forms_of_the_config_and_a_mid_epoch_resume_keeps_its_count(
+    digits_root, monkeypatch, caplog
+):
     train = load_manifest(f"{digits_root}/train")
     cfg = tiny_config("unused")
     cfg.data.num_workers = "auto"
@@ -64,6 +66,17 @@ def test_auto_is_resolved_in_both_forms_of_the_config_and_a_mid_epoch_resume_kee
     cfg.data.num_workers = plain["data"]["num_workers"] = "auto"
     resolve_auto_workers(cfg, plain, train, 1, {"position": {"step": 0}, "data_plan": {"num_workers": 3}})
     assert isinstance(cfg.data.num_workers, int) and cfg.data.num_workers == plain["data"]["num_workers"] >= 1
+    # Canonical streams continue with any workers up to a replica's streams: chosen afresh, capped.
+    from tpustream.launch import workers
+
+    many = workers.WorkerChoice(6, "a machine of many cores")
+    monkeypatch.setattr(workers, "choose_workers", lambda **_: many)
+    cfg.data.num_workers = plain["data"]["num_workers"] = "auto"
+    canonical = {"num_workers": 3, "streams": 8, "global_batch": 64}
+    with caplog.at_level("INFO", logger="tpustream.launch.workers"):
+        resolve_auto_workers(cfg, plain, train, 4, {"position": {"step": 5}, "data_plan": canonical})
+    assert cfg.data.num_workers == 2  # 8 streams over 4 replicas
+    assert "at most 2, the canonical streams each replica reads" in caplog.text
 
 
 @pytest.mark.parametrize("value", ["two", -1, 1.5, True])
