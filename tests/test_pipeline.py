@@ -295,6 +295,7 @@ def test_canonical_global_batches_are_the_same_on_every_shape_and_resume_from_an
                     assert torch.equal(a[key], b[key]), (world, workers, in_memory, skip, step, key)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_canonical_pieces_from_dataloader_workers_join_into_the_in_process_batches(uneven_split):
     options = dict(shuffle_buffer=8, crop_padding=2, hflip=True)
     expected = global_batches(uneven_split, 2, 3, skip=3, **options)
