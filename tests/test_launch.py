@@ -267,6 +267,15 @@ def test_a_run_with_canonical_streams_continues_on_another_shape_with_its_global
         prepared(*eager, "accelerator.num_devices=8", "batch_size=8")
     with pytest.raises(ConfigError, match=r"data.num_workers=3 is more than the 1 canonical stream"):
         prepared(*eager, "accelerator.num_devices=4", "batch_size=16", "data.num_workers=3")
+    # A checkpoint named by resume=URL (fine-tuning in another folder) may have another global batch.
+    named = prepared(
+        *eager[:1],
+        f"output_dir={tmp_path}/tuned",
+        f"resume={out}/checkpoints/last.pt",
+        "batch_size=16",
+        "data.streams=2",
+    )
+    assert named.partition(1, 16).streams == 2  # its own partition: the epoch restarts under it
     # Under a per-reader plan (an older run) batch_size stays part of the run's config.
     storage.write_bytes(
         f"{out}/checkpoints/last.pt",

@@ -63,15 +63,17 @@ class RunPlan:
     resume_data_plan: dict[str, int] | None = None
     resume_step: int = 0
     resume_batch_size: int | None = None
+    resume_own: bool = True  # the run folder's own checkpoint, not one named by resume=URL
 
     def partition(self, world_size: int, replica_batch: int) -> CanonicalPartition | None:
         """The training order's canonical partition on this shape (ConfigError where it cannot be read).
 
         A resumed run keeps its checkpoint's partition, on any shape with the
         global batch it began with; another global batch is an error naming
-        the batch_size to set, unless under resume=force or at an epoch's
-        start with batch_size unchanged (more replicas), where the run takes
-        a new partition (its epoch restarts: TrainState.under_data_plan). A
+        the batch_size to set, unless under resume=force, from a checkpoint
+        named by resume=URL (fine-tuning), or at an epoch's start with
+        batch_size unchanged (more replicas), where the run takes a new
+        partition (its epoch restarts: TrainState.under_data_plan). A
         checkpoint without one (an older run) keeps the per-reader plan; a
         fresh run chooses one from data.streams.
         """
@@ -87,7 +89,7 @@ class RunPlan:
                 saved.check_shape(world_size, replica_batch, workers)
                 return saved
             batch_changed = self.resume_batch_size not in (None, cfg.batch_size)
-            if cfg.resume != FORCE_RESUME and (batch_changed or self.resume_step > 0):
+            if self.resume_own and cfg.resume != FORCE_RESUME and (batch_changed or self.resume_step > 0):
                 raise ConfigError(global_batch_error(saved_plan, world_size, replica_batch // cfg.batch_size))
             log.info(
                 "the global batch changes from %d to %d: the training order takes a new canonical partition",
@@ -126,7 +128,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             manifest.counts_from,
         )
     resume_url = finished = resume_data_plan = resume_batch_size = None
-    resume_step = 0
+    resume_step, resume_own = 0, True
     resume = find_resume(typed.resume, typed.output_dir)
     resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
     if resume is None and not typed.eval_only:
@@ -139,6 +141,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         resume_data_plan = resume.state.get("data_plan")
         resume_step = resume.state["position"]["step"]
         resume_batch_size = (resume.state.get("config") or {}).get("batch_size")
+        resume_own = resume.own
         del resume  # the checkpoint's tensors: each replica reads its own copy
     pretrained = None
     if typed.model.wants_pretrained() and not typed.eval_only:
@@ -172,6 +175,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         resume_data_plan,
         resume_step,
         resume_batch_size,
+        resume_own,
     )
     world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
     if world_size is not None and devices is not None and not typed.eval_only and finished is None:
