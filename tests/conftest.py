@@ -364,6 +364,9 @@ def make_stream(manifest, **options):
     from tpustream.data.read.stream import ShardStream
 
     arguments = {name: options.pop(name) for name in STREAM_ARGUMENTS}
-    partition = options.pop("partition", None)  # a CanonicalPartition (training order) or None
+    # The training order's CanonicalPartition, and the device augmentation's config and group.
+    extras = {
+        name: options.pop(name) for name in ("partition", "augment", "augment_group") if name in options
+    }
     data = dataclasses.replace(DataConfig(), **{"shuffle_buffer": 0, **options})
-    return ShardStream(manifest, data, partition=partition, **arguments)
+    return ShardStream(manifest, data, **extras, **arguments)

@@ -311,6 +311,28 @@ def test_canonical_pieces_from_dataloader_workers_join_into_the_in_process_batch
         assert torch.equal(a["sample_id"][6:][a["real"][6:] > 0], torch.from_numpy(ids))
 
 
+def test_device_draws_are_the_whole_batchs_whichever_workers_send_its_pieces(uneven_split):
+    """Mixup pairs and batch-level draws belong to a device's batch (a group of 4 here): pieces
+    that split a group get their draws in the replica's process, on the joined batch."""
+    from tpustream.config import AugmentConfig
+
+    augment = AugmentConfig(mixup_alpha=0.8, mix_mode="pair", erase_prob=0.5)
+    options = dict(augment=augment, augment_group=4)
+    reference = stream(uneven_split, batch=12, partition=CANONICAL, **options)
+    reference.set_epoch(2)
+    expected = list(reference.pieces(0, 1, 0))
+    # 4 workers read 2, 2, 1 and 1 streams: pieces of 4, 4, 2 and 2 samples, the last group split.
+    split = stream(uneven_split, batch=12, workers=4, partition=CANONICAL, **options)
+    assert not split.pieces_draw
+    split.set_epoch(2)
+    pieces = [list(split.pieces(w, 4, 0)) for w in range(4)]
+    for whole, parts in zip(expected, zip(*pieces, strict=True), strict=True):
+        joined = split.join(list(parts))
+        assert whole.keys() == joined.keys() and "mix_lam" in joined
+        for key in whole.keys() - {"bad_shards", "filled"}:
+            assert torch.equal(whole[key], joined[key]), key
+
+
 def test_a_canonical_stream_fills_its_own_bad_samples_whoever_reads_it(write_split, caplog):
     folder = bad_split(write_split)
     reference = global_batches(folder, 1, 0)
