@@ -1,9 +1,9 @@
 """How well an epoch's training order is mixed (issue 23): per-reader plan, canonical streams, webdataset.
 
-Reproduce (from the repository root; no accelerator, no I/O: sample ids only, ~2 min):
+Reproduce (from the repository root; no accelerator, no I/O: sample ids only; 16 s here):
 
     .venv/bin/python -m bench.shuffle            # -> bench/results/shuffle/results.json and .md
-    .venv/bin/python -m bench.shuffle --quick    # 128 shards: a few seconds
+    .venv/bin/python -m bench.shuffle --quick    # 128 shards: 7 s
 
 The layout is ImageNet's training split as shards are often written, in class
 order (the case where the shuffle has all the work to do): 1,281,167 samples
