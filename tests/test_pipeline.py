@@ -191,8 +191,13 @@ def test_missing_shard_is_an_error_naming_the_url_whatever_the_policy(write_spli
     (tmp_path / "shards" / "train" / "train-000001.tar").unlink()
     for workers in (0, 2):
         loader = make_loader(stream(folder, train=False, batch=4, workers=workers), workers)
-        with pytest.raises(StorageError) as info:
-            list(loader)
+        # Closed here: the error's traceback keeps the loader alive past the test, and its
+        # workers, which ignore SIGTERM, would keep a pytest run without xdist from exiting.
+        try:
+            with pytest.raises(StorageError) as info:
+                list(loader)
+        finally:
+            loader.close()
         assert str(info.value) == f"{folder}/train-000001.tar: No such file or directory"
 
 
