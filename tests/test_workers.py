@@ -72,7 +72,7 @@ def test_auto_is_resolved_in_both_forms_of_the_config_and_a_mid_epoch_resume_kee
     many = workers.WorkerChoice(6, "a machine of many cores")
     monkeypatch.setattr(workers, "choose_workers", lambda **_: many)
     cfg.data.num_workers = plain["data"]["num_workers"] = "auto"
-    canonical = {"num_workers": 3, "streams": 8, "global_batch": 64}
+    canonical = {"num_workers": 3, "streams": 8, "stream_buffer": 250, "global_batch": 64}
     with caplog.at_level("INFO", logger="tpustream.launch.workers"):
         resolve_auto_workers(cfg, plain, train, 4, {"position": {"step": 5}, "data_plan": canonical})
     assert cfg.data.num_workers == 2  # 8 streams over 4 replicas

@@ -179,7 +179,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
         trainer.reporter.shards_per_replica = len(plan.train.shards) / runtime.world_size
         if partition is not None:
-            trainer.reporter.max_workers = partition.streams // runtime.world_size
+            trainer.reporter.max_workers = partition.per_replica(runtime.world_size)
         summary = trainer.fit()
     finally:
         close_loaders(train_loader, val_loader)

@@ -25,6 +25,7 @@ from typing import Any
 
 from tpustream.config import Device, RuntimeKind, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.plan import CanonicalPartition
 from tpustream.observe.advice import WORKER_MARGIN
 from tpustream.observe.chips import Chip
 
@@ -145,7 +146,8 @@ def _choose(
     cfg: TrainConfig, train: ShardManifest, world_size: int | None, resume_state: dict[str, Any] | None
 ) -> int:
     saved_plan = (resume_state or {}).get("data_plan") or {}
-    if resume_state is not None and resume_state["position"]["step"] > 0 and not saved_plan.get("streams"):
+    partition = CanonicalPartition.from_dict(saved_plan)
+    if resume_state is not None and resume_state["position"]["step"] > 0 and partition is None:
         # A per-reader order continues mid-epoch only with the same workers.
         saved = saved_plan.get("num_workers")
         if saved is not None:
@@ -172,8 +174,8 @@ def _choose(
     )
     delivers = "" if math.isinf(rate) else f"one worker delivers {rate:.0f} samples/s here; "
     workers, why = choice.workers, choice.why
-    if saved_plan.get("streams") and world_size and workers > saved_plan["streams"] // world_size:
-        workers = max(1, saved_plan["streams"] // world_size)
+    if partition is not None and world_size and workers > partition.per_replica(world_size):
+        workers = max(1, partition.per_replica(world_size))
         why += f"; at most {workers}, the canonical streams each replica reads"
     log.info("data.num_workers=auto: %d (%s%s)", workers, delivers, why)
     return workers

@@ -230,13 +230,17 @@ class CanonicalPartition:
         """Samples each stream gives every global step."""
         return global_batch // self.streams
 
+    def per_replica(self, world_size: int) -> int:
+        """Streams each of world_size replicas reads: also the most workers a replica may have."""
+        return self.streams // world_size
+
     def streams_of(self, rank: int, world_size: int, worker: int, workers: int) -> range:
         """The streams replica `rank`'s worker `worker` reads: its replica's, split in order.
 
         The replica's C/R streams are its batch, in order; its workers take
         contiguous runs of them (the first ones one more when they do not divide).
         """
-        per_replica = self.streams // world_size
+        per_replica = self.per_replica(world_size)
         workers = max(workers, 1)
         base, extra = divmod(per_replica, workers)
         first = rank * per_replica + worker * base + min(worker, extra)
@@ -257,7 +261,7 @@ class CanonicalPartition:
                 f"{world_size} replica(s) cannot share the run's {self.streams} canonical streams evenly: "
                 f"it continues on {', '.join(map(str, allowed))} replica(s)"
             )
-        per_replica = self.streams // world_size
+        per_replica = self.per_replica(world_size)
         if max(workers, 1) > per_replica:
             raise ConfigError(
                 f"data.num_workers={workers} is more than the {per_replica} canonical stream(s) each of "

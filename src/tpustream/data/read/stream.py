@@ -180,6 +180,8 @@ class ShardStream(IterableDataset):
         self.partition = partition if train else None
         if self.partition is not None:
             self.partition.check_shape(world_size, batch_size, self.num_workers)
+        # Fixed for the run: asked for every batch (ShardStream.join, CountingLoader).
+        self.pieces_draw = self._pieces_draw()
         # Loaded here, in the replica's main process, not on first iteration:
         # with DataLoader workers __iter__ only ever runs in the workers, which
         # receive this object by pickling when the loader first iterates. Loaded
@@ -234,15 +236,16 @@ class ShardStream(IterableDataset):
 
     def join(self, pieces: list[dict]) -> dict:
         """One batch from its pieces, in worker order; with the device's draws unless workers added them."""
-        if len(pieces) == 1 and (self.draws is None or self.pieces_draw):
-            return pieces[0]
-        batch = join_batches(pieces)
-        if self.draws is not None and not self.pieces_draw:
-            batch.update(self.draws(self.epoch, batch["sample_id"].numpy()))
-        return batch
+        return self._joined(pieces, draw=not self.pieces_draw)
 
-    @property
-    def pieces_draw(self) -> bool:
+    def _joined(self, parts: list[dict], draw: bool) -> dict:
+        """Consecutive parts of a batch as one; with the device's draws for its samples if draw."""
+        joined = join_batches(parts)
+        if draw and self.draws is not None:
+            joined.update(self.draws(self.epoch, joined["sample_id"].numpy()))
+        return joined
+
+    def _pieces_draw(self) -> bool:
         """Whether each worker's piece holds whole augmentation groups, so it adds the draws itself.
 
         A group's pairs and batch-level draws belong to its first sample, so
@@ -288,10 +291,7 @@ class ShardStream(IterableDataset):
         streams = self.partition.streams_of(self.rank, self.world_size, worker, workers)
         chunks = [iter(self.stream_pipeline(stream, skip)) for stream in streams]
         for parts in zip(*chunks, strict=True):  # every stream gives steps - skip chunks
-            piece = join_batches(list(parts))
-            if self.draws is not None and self.pieces_draw:
-                piece.update(self.draws(self.epoch, piece["sample_id"].numpy()))
-            yield piece
+            yield self._joined(list(parts), draw=self.pieces_draw)
 
     def stream_pipeline(self, stream: int, skip: int) -> wds.DataPipeline:
         """One canonical stream's chunks (global_batch / C samples a step) from step skip on.
