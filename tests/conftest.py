@@ -26,6 +26,7 @@ from tpustream import storage
 from tpustream.data.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from tpustream.data.format.tar import write_tar
 from tpustream.data.write.command import main as make_shards_main
+from tpustream.launch.spawn import xla_cpu_flags
 from tpustream.runtime.gloo import free_port  # noqa: F401  (the tests' one free-port helper)
 from tpustream.testing.emulator import GcsEmulator
 
@@ -163,6 +164,12 @@ def numbered_samples(start: int, count: int, size: int = 8) -> list[tuple[str, d
 
 def train_command(*overrides: str) -> list[str]:
     return [sys.executable, str(REPO / "train.py"), *overrides]
+
+
+def xla_cpu_env(devices: int = 1) -> dict[str, str]:
+    """The environment of a script run on XLA CPU devices in its own process, as the launcher sets it."""
+    flags = xla_cpu_flags(os.environ.get("XLA_FLAGS"))
+    return {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_FLAGS": flags}
 
 
 def run_train(

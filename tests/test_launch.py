@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -171,6 +172,29 @@ def test_a_bad_environment_setting_is_one_line_before_spawning(prepared, monkeyp
     monkeypatch.setenv("TPUSTREAM_GCS_RETRY_SECONDS", "abc")
     with pytest.raises(ConfigError, match="TPUSTREAM_GCS_RETRY_SECONDS='abc': expected a positive number"):
         prepared()
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "user_flags", "expected"),
+    [
+        ("cpu", None, "--xla_backend_optimization_level=1"),
+        ("cpu", "--xla_dump_to=/tmp/d", "--xla_dump_to=/tmp/d --xla_backend_optimization_level=1"),
+        ("cpu", "--xla_backend_optimization_level=3", "--xla_backend_optimization_level=3"),  # the user's
+        ("tpu", "--xla_dump_to=/tmp/d", "--xla_dump_to=/tmp/d"),  # TPU code is not LLVM -O anything
+    ],
+)
+def test_the_xla_cpu_device_compiles_at_o1_unless_the_user_chose(
+    compose_config, monkeypatch, accelerator, user_flags, expected
+):
+    from tpustream.launch import resolve_config
+    from tpustream.launch.spawn import configure_device_environment
+
+    for name in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS"):
+        monkeypatch.delenv(name, raising=False)
+    if user_flags is not None:
+        monkeypatch.setenv("XLA_FLAGS", user_flags)
+    configure_device_environment(resolve_config(compose_config(f"accelerator={accelerator}"))[0])
+    assert os.environ.get("XLA_FLAGS") == expected
 
 
 def test_output_dir_in_a_missing_bucket_fails_before_training(prepared, gcs_emulator):

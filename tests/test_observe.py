@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, xla_cpu_env
 from tpustream import storage
 from tpustream.observe import (
     NullTensorBoardLog,
@@ -295,7 +295,7 @@ def xla_report() -> dict:
         text=True,
         timeout=180,
         cwd=str(REPO),
-        env={**os.environ, "PJRT_DEVICE": "CPU"},
+        env=xla_cpu_env(),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -8,7 +8,6 @@ optimizers on the XLA CPU device in a process of their own.
 from __future__ import annotations
 
 import copy
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_cpu_env
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import ConfigError
 from tpustream.launch import prepare, resolve_config
@@ -453,7 +452,7 @@ def run_on_xla(script: str, *args: str, devices: int = 1) -> str:
         text=True,
         timeout=300,
         cwd=str(REPO),
-        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)},
+        env=xla_cpu_env(devices),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -13,7 +13,6 @@ statistics GSPMD computes over the whole global batch, as one device does.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import assert_same_run, run_train, sigterm_at_step, train_command
+from tests.conftest import assert_same_run, run_train, sigterm_at_step, train_command, xla_cpu_env
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -235,7 +234,7 @@ print(json.dumps({"total": total, "per_device": device_bytes(list(wrapped.parame
 
 def test_spmd_fsdp_shards_wrn_seed_four_ways():
     """The full-size wrn_seed (103M parameters): each device holds a quarter of the weights."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    env = xla_cpu_env(devices=4)
     command = [sys.executable, "-c", SHARDING_PROBE, "1000000"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
