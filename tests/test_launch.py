@@ -99,8 +99,10 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["accelerator=tpu"], "accelerator=tpu, but this machine has no TPU chips"),
         (["accelerator=cuda"], r"accelerator=cuda, but PyTorch sees no GPU here"),
         (["accelerator.device=CUDA"], "accelerator.device=CUDA runs native PyTorch"),
-        (["accelerator=cpu_eager", "strategy=fsdp"], "strategy=fsdp is torch_xla's"),
-        (["accelerator=cpu_eager", "strategy=spmd"], "strategy=spmd is torch_xla's"),
+        (["accelerator=cpu_eager", "strategy=spmd"], "strategy=spmd is torch_xla's GSPMD"),
+        (["accelerator=cpu_eager", "strategy=fsdp", "accelerator.channels_last=true"], "FSDP2 .* contiguous"),
+        (["accelerator=cpu_eager", "strategy=fsdp", "optim=lamb"], "optim=lamb takes a norm of every whole"),
+        (["accelerator=cpu_eager", "accelerator.num_devices=2", "strategy=fsdp"], None),
         (["accelerator=cpu_eager", "debug.metrics=true"], "debug.metrics reads torch_xla's"),
         (
             ["accelerator=cpu_eager", "accelerator.collectives=nccl"],

@@ -44,8 +44,6 @@ def native(root: str, out: str, hydra_dir: str, *more: str) -> list[str]:
         f"output_dir={out}",
         "data.num_workers=1",
         "epochs=3",
-        # NHWC weights and batches: what a GPU run would use, through every test here.
-        "accelerator.channels_last=true",
         f"hydra.run.dir={hydra_dir}",
         *more,
     ]
@@ -85,22 +83,40 @@ def test_two_native_replicas_see_every_sample_once_in_equal_steps_and_learn(digi
     assert max(m["val_accuracy"] for m in history) >= 0.35, history
 
 
-def test_sigterm_saves_last_pt_exits_75_and_resumes_bitwise(digits_root, straight, tmp_path, no_torch_xla):
+def test_fsdp2_stops_with_last_pt_exits_75_and_resumes_bitwise_on_the_ddp_trajectory(
+    digits_root, straight, tmp_path, no_torch_xla
+):
+    """strategy=fsdp natively (PyTorch's FSDP2), stopped in epoch 1 and resumed.
+
+    Its gradients are reduce-scattered instead of all-reduced, its weights and
+    optimizer state are shards; with 2 replicas the average is the same sum,
+    so the run must end bit for bit where the straight ddp run did, and its
+    checkpoints hold the plain layout ddp writes and reads.
+    """
     run = str(tmp_path / "run")
+    fsdp = ("strategy=fsdp", "fsdp_wrap_min_params=2000")
     stop_at = STEPS_PER_EPOCH + 5
-    stopped = run_train(
-        *native(digits_root, run, str(tmp_path / "h1"), f"debug.stop_at_step={stop_at}"), env=no_torch_xla
-    )
+    stop = f"debug.stop_at_step={stop_at}"
+    stopped = run_train(*native(digits_root, run, str(tmp_path / "h1"), *fsdp, stop), env=no_torch_xla)
     assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-4000:]
+    # small_cnn's 2 convolutions of 2000+ parameters, and the model's unit for the rest.
+    assert "strategy=fsdp (FSDP2): FSDP units: 3 (submodules of 2000+ parameters" in stopped.stderr
     saved = load_checkpoint(checkpoint_url(run, "last.pt"))
     # The replicas agree on a stop at their next vote (checkpoint.stop_check_every steps).
     epoch, step = saved["position"]["epoch"], saved["position"]["step"]
     assert epoch == 1 and 0 < step < STEPS_PER_EPOCH and saved["global_step"] == STEPS_PER_EPOCH + step
     assert saved["global_step"] >= stop_at
+    # Whole tensors in ddp's layout: the model's own keys and shapes, optimizer state per parameter.
+    reference = load_checkpoint(checkpoint_url(str(straight / "run"), "last.pt"))
+    assert {k: v.shape for k, v in saved["model"].items()} == {
+        k: v.shape for k, v in reference["model"].items()
+    }
+    shapes = [s["momentum_buffer"].shape for s in saved["optimizer"]["state"].values()]
+    assert shapes == [s["momentum_buffer"].shape for s in reference["optimizer"]["state"].values()]
 
-    resumed = run_train(*native(digits_root, run, str(tmp_path / "h2")), env=no_torch_xla)
+    resumed = run_train(*native(digits_root, run, str(tmp_path / "h2"), *fsdp), env=no_torch_xla)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"at epoch 1, step {step}" in resumed.stderr
+    assert f"at epoch 1, step {step}" in resumed.stderr and "starts fresh" not in resumed.stderr
     assert_same_run(run, str(straight / "run"), steps=3 * STEPS_PER_EPOCH)
 
 

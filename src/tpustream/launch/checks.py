@@ -22,6 +22,7 @@ from tpustream.config import (
     SPMD_STRATEGIES,
     Collectives,
     Device,
+    OptimizerName,
     RuntimeKind,
     Strategy,
     TrainConfig,
@@ -207,17 +208,29 @@ def check_config(cfg: TrainConfig) -> None:
             f"{cfg.strategy.value} runs one program with one model"
         )
     if cfg.strategy == Strategy.fsdp:
-        if cfg.accelerator.collectives == Collectives.gloo:
+        native = cfg.accelerator.runtime == RuntimeKind.native  # FSDP2: torch.distributed, names kept
+        if cfg.accelerator.collectives == Collectives.gloo and not native:
             raise ConfigError(
                 "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
-                "pod (accelerator=cpu_pod) runs strategy=ddp only"
+                "pod (accelerator=cpu_pod) runs strategy=ddp only (accelerator=cpu_eager runs fsdp as "
+                "PyTorch's FSDP2)"
             )
         if cfg.debug.check_sync_every:
             raise ConfigError(
                 "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
                 "replica holds a different shard"
             )
-        if cfg.optim.layer_decay_on():
+        if native and cfg.accelerator.channels_last:
+            raise ConfigError(
+                "accelerator.channels_last=true: FSDP2 (strategy=fsdp on the native runtime) shards "
+                "contiguous parameters only (torch 2.9); set it false, or use strategy=ddp"
+            )
+        if native and cfg.optim.name in (OptimizerName.lars, OptimizerName.lamb):
+            raise ConfigError(
+                f"optim={cfg.optim.name.value} takes a norm of every whole parameter; under strategy=fsdp "
+                "on the native runtime (FSDP2) it would see shards: use strategy=ddp, or optim=sgd/adamw"
+            )
+        if cfg.optim.layer_decay_on() and not native:
             # Its flat shards are new parameters named per FSDP unit; spmd_fsdp keeps the model's.
             raise ConfigError(
                 f"optim.layer_decay={cfg.optim.layer_decay} groups parameters by layer name, which "
@@ -283,10 +296,10 @@ def check_native(cfg: TrainConfig) -> None:
             f"accelerator.collectives={acc.collectives.value}: native PyTorch on {acc.device.value} "
             f"reduces over {wanted.value}"
         )
-    if cfg.strategy != Strategy.ddp:
+    if cfg.strategy in SPMD_STRATEGIES:
         raise ConfigError(
-            f"strategy={cfg.strategy.value} is torch_xla's (accelerator.runtime=xla); "
-            "accelerator.runtime=native runs strategy=ddp"
+            f"strategy={cfg.strategy.value} is torch_xla's GSPMD (accelerator.runtime=xla); "
+            "accelerator.runtime=native runs strategy=ddp or fsdp (PyTorch's FSDP2)"
         )
     debug = cfg.debug
     for name, on in (

@@ -3,6 +3,7 @@
 - ``trainer``: ``Trainer`` (strategy=ddp), the loop, the compiled step, exact
   evaluation, stop votes, and the hooks a strategy overrides;
 - ``fsdp``: ``FsdpTrainer`` (strategy=fsdp), torch_xla's fully sharded data parallel;
+- ``fsdp2``: ``Fsdp2Trainer`` (strategy=fsdp on the native runtime), PyTorch's FSDP2;
 - ``spmd``: ``SpmdTrainer`` / ``SpmdFsdpTrainer`` (strategy=spmd / spmd_fsdp), one
   GSPMD program over the host's device mesh, the model replicated or sharded (FSDPv2);
 - ``state``: ``TrainState``, what a checkpoint holds, and the resume arithmetic;
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpustream.config import Strategy, TrainConfig
+from tpustream.config import RuntimeKind, Strategy, TrainConfig
 from tpustream.training.fsdp import FsdpTrainer
+from tpustream.training.fsdp2 import Fsdp2Trainer
 from tpustream.training.spmd import SpmdFsdpTrainer, SpmdTrainer
 from tpustream.training.trainer import Trainer
 
-__all__ = ["FsdpTrainer", "SpmdFsdpTrainer", "SpmdTrainer", "Trainer", "make_trainer"]
+__all__ = ["Fsdp2Trainer", "FsdpTrainer", "SpmdFsdpTrainer", "SpmdTrainer", "Trainer", "make_trainer"]
 
 TRAINERS: dict[Strategy, type[Trainer]] = {
     Strategy.ddp: Trainer,
@@ -33,5 +35,7 @@ TRAINERS: dict[Strategy, type[Trainer]] = {
 
 
 def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
-    """The trainer class of cfg.strategy, built with Trainer's arguments."""
+    """The trainer of cfg.strategy (fsdp: FSDP2 on the native runtime), built with Trainer's arguments."""
+    if cfg.strategy == Strategy.fsdp and cfg.accelerator.runtime == RuntimeKind.native:
+        return Fsdp2Trainer(cfg, *args, **kwargs)
     return TRAINERS[cfg.strategy](cfg, *args, **kwargs)

@@ -84,6 +84,7 @@ class FsdpTrainer(Trainer):
         saved = state["optimizer"]
         fits = (
             state.get("strategy") == Strategy.fsdp.value
+            and "shards" in saved  # not FSDP2's plain layout (native runtime)
             and saved["world_size"] == self.runtime.world_size
             and saved["layout"] == self.shard_layout()
         )

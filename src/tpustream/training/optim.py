@@ -329,6 +329,10 @@ def keep_groups_on_load(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(restore_scales)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"  # without importing torch.distributed.tensor
+
+
 def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer state that torch creates lazily at the first step.
 
@@ -347,7 +351,9 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state[param]
-            if state:
+            if state or _is_dtensor(param):
+                # FSDP2's sharded parameters (native runtime: no graph to keep
+                # whole) get their state as torch makes it, sharded like them.
                 continue
 
             def zeros(p=param):

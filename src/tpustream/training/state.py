@@ -349,20 +349,28 @@ class CheckpointWriter:
 
 
 # Strategies whose checkpoints hold the optimizer state of the whole model,
-# parameter by parameter in model order: they resume one another's.
+# parameter by parameter in model order: they resume one another's. So does
+# strategy=fsdp on the native runtime (FSDP2, training.fsdp2); torch_xla's
+# fsdp saves every replica's shard instead (under "shards").
 PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
+
+
+def holds_plain_optimizer_state(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint's optimizer state is the whole model's, keyed as a plain model's optimizer."""
+    written_by = state.get("strategy", Strategy.ddp.value)
+    sharded = isinstance(state.get("optimizer"), dict) and "shards" in state["optimizer"]
+    return written_by in PLAIN_LAYOUT or (written_by == Strategy.fsdp.value and not sharded)
 
 
 def plain_optimizer_state_fits(state: dict[str, Any], strategy: Strategy, source: str) -> bool:
     """Whether a checkpoint's optimizer state fits a plain-layout run; says why not if not."""
-    written_by = state.get("strategy", Strategy.ddp.value)
-    if written_by == strategy.value or {written_by, strategy.value} <= PLAIN_LAYOUT:
+    if holds_plain_optimizer_state(state):
         return True
     log.warning(
         "%s was written with strategy=%s; its optimizer state does not fit strategy=%s and "
         "starts fresh (model weights and training position are restored)",
         source,
-        written_by,
+        state.get("strategy"),
         strategy.value,
     )
     return False
