@@ -6,6 +6,8 @@ dependencies installed, or on PYTHONPATH with src/):
     python -m bench.cuda_check OUT_DIR            # ~5 min on one H100/H200
     python -m bench.cuda_check OUT_DIR --quick    # the correctness part only
     python -m bench.cuda_check OUT_DIR --quick --accelerator cpu_eager   # the script, without a GPU
+    python -m bench.cuda_check OUT_DIR --fsdp     # strategy=fsdp (FSDP2) against ddp, ~4 min
+    python -m bench.cuda_check OUT_DIR --fsdp --quick --accelerator cpu_eager   # its runs, no GPU
 
 Results of one H200 in bench/results/cuda/ (README: "GPUs").
 
@@ -22,6 +24,13 @@ epoch), optim.lr=0.02, 3 epochs, for: deterministic=true, the default
 cudnn.benchmark, plus channels_last, plus torch.compile. Each row is metrics.jsonl's epochs
 1-2 (epoch 0 holds cuDNN's autotuning and compilation): samples/s, step
 time, input-wait share, MFU against the GPU's dense bf16 peak.
+
+--fsdp: strategy=fsdp (PyTorch's FSDP2) on the same GPU(s): the deterministic
+digits runs straight under ddp and under fsdp (fsdp_wrap_min_params=2000),
+and fsdp stopped at step 10 and resumed (last.pt bit for bit against fsdp's
+straight run, and fsdp's straight run against ddp's); then wrn_seed timed
+under ddp and fsdp with the default cuDNN autotuning (one GPU holds the one
+shard: this measures FSDP2's overhead, not its memory saving).
 
 OUT_DIR gets summary.json, summary.md, cuda_best.pt and runs.log (each
 run's command, exit code and last lines).
@@ -132,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing-only", action="store_true", help="the timing part only")
     parser.add_argument("--work", type=Path, default=Path("/tmp/cuda_check"))
     parser.add_argument("--accelerator", default="cuda", help="cpu_eager tries the script without a GPU")
+    parser.add_argument("--fsdp", action="store_true", help="strategy=fsdp (FSDP2) against ddp only")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work
@@ -145,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
     }
     summary["correctness"] = {}
+    if args.fsdp:
+        fsdp(args, runner, summary)
+        print(write_summary(args.out, summary))
+        return 0
     if not args.timing_only:
         correctness(args, runner, summary)
     if not args.quick:
@@ -179,6 +193,59 @@ def correctness(args: argparse.Namespace, runner: Runner, summary: dict) -> None
         (args.out / "cuda_best.pt").write_bytes((straight / "checkpoints" / "best.pt").read_bytes())
 
 
+FSDP = ["strategy=fsdp", "fsdp_wrap_min_params=2000"]
+
+
+def fsdp(args: argparse.Namespace, runner: Runner, summary: dict) -> None:
+    work = args.work
+    make = ["-m", "tpustream.data.write.command", "digits"]
+    runner.run("shards", [*make, str(work / "digits"), "--no-progress"])
+    common = [
+        f"accelerator={args.accelerator}",
+        f"data.root={work / 'digits'}",
+        "data.num_workers=4",
+        "epochs=3",
+        "accelerator.deterministic=true",
+    ]
+    ddp, straight, stopped = work / "ddp", work / "fsdp_straight", work / "fsdp_stopped"
+    codes = {
+        "ddp": runner.train("ddp", *common, f"output_dir={ddp}"),
+        "fsdp_straight": runner.train("fsdp_straight", *common, *FSDP, f"output_dir={straight}"),
+        "fsdp_stopped": runner.train(
+            "fsdp_stopped", *common, *FSDP, f"output_dir={stopped}", "debug.stop_at_step=10"
+        ),
+        "fsdp_resumed": runner.train("fsdp_resumed", *common, *FSDP, f"output_dir={stopped}"),
+    }
+    checks: dict = {"exit_codes": codes, "history_fsdp": metrics(straight), "history_ddp": metrics(ddp)}
+    last = lambda run: run / "checkpoints" / "last.pt"  # noqa: E731
+    if codes["fsdp_straight"] == 0 and codes["fsdp_resumed"] == 0:
+        checks["fsdp_resume"] = same_checkpoints(last(straight), last(stopped))
+    if codes["ddp"] == 0 and codes["fsdp_straight"] == 0:
+        checks["fsdp_vs_ddp"] = same_checkpoints(last(ddp), last(straight))
+    summary["correctness"] = checks
+    write_summary(args.out, summary)
+    if args.quick:
+        return
+    upsampled = ["--upsample", "10", "--image-format", "raw", "--no-progress"]
+    runner.run("shards x10", [*make, str(work / "digits10"), *upsampled])
+    timed = [
+        f"accelerator={args.accelerator}",
+        f"data.root={work / 'digits10'}",
+        "data.num_workers=4",
+        "model=wrn_seed",
+        "precision=bf16",
+        "batch_size=256",
+        "optim.lr=0.02",
+        "epochs=3",
+    ]
+    summary["timing"] = {}
+    for name, settings in {"ddp": [], "fsdp (FSDP2)": FSDP}.items():
+        run = work / f"timed-{settings[0].split('=')[1] if settings else 'ddp'}"
+        code = runner.train(run.name, *timed, *settings, f"output_dir={run}", timeout=240)
+        summary["timing"][name] = {"exit_code": code, "overrides": settings, **steady(metrics(run))}
+        write_summary(args.out, summary)
+
+
 def timing(args: argparse.Namespace, runner: Runner, summary: dict) -> None:
     work = args.work
     upsampled = ["--upsample", "10", "--image-format", "raw"]
@@ -210,7 +277,7 @@ def write_summary(out: Path, summary: dict) -> str:
         f"{summary['device']}, torch {summary['torch']} (CUDA {summary['cuda']}), {summary['cpus']} CPUs",
         "",
     ]
-    checks = {k: v for k, v in summary["correctness"].items() if k != "history"}
+    checks = {k: v for k, v in summary["correctness"].items() if not k.startswith("history")}
     lines.append(f"correctness: {json.dumps(checks)}")
     for name, row in summary.get("timing", {}).items():
         lines.append(f"- {name}: {json.dumps(row)}")
