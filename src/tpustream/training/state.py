@@ -348,10 +348,8 @@ class CheckpointWriter:
             )
 
 
-# Strategies whose checkpoints hold the optimizer state of the whole model,
-# parameter by parameter in model order: they resume one another's. So does
-# strategy=fsdp on the native runtime (FSDP2, training.fsdp2); torch_xla's
-# fsdp saves every replica's shard instead (under "shards").
+# Strategies whose checkpoints hold the whole model's optimizer state, parameter by parameter
+# in model order, and resume one another's; so does FSDP2's fsdp (torch_xla's saves "shards").
 PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
 
 
