@@ -226,31 +226,20 @@ def fsdp(args: argparse.Namespace, runner: Runner, summary: dict) -> None:
     write_summary(args.out, summary)
     if args.quick:
         return
-    upsampled = ["--upsample", "10", "--image-format", "raw", "--no-progress"]
-    runner.run("shards x10", [*make, str(work / "digits10"), *upsampled])
-    timed = [
-        f"accelerator={args.accelerator}",
-        f"data.root={work / 'digits10'}",
-        "data.num_workers=4",
-        "model=wrn_seed",
-        "precision=bf16",
-        "batch_size=256",
-        "optim.lr=0.02",
-        "epochs=3",
-    ]
-    summary["timing"] = {}
-    for name, settings in {"ddp": [], "fsdp (FSDP2)": FSDP}.items():
-        run = work / f"timed-{settings[0].split('=')[1] if settings else 'ddp'}"
-        code = runner.train(run.name, *timed, *settings, f"output_dir={run}", timeout=240)
-        summary["timing"][name] = {"exit_code": code, "overrides": settings, **steady(metrics(run))}
-        write_summary(args.out, summary)
+    timed_runs(args, runner, summary, {"ddp": [], "fsdp (FSDP2)": FSDP})
 
 
 def timing(args: argparse.Namespace, runner: Runner, summary: dict) -> None:
+    timed_runs(args, runner, summary, TIMED_VARIANTS)
+
+
+def timed_runs(args: argparse.Namespace, runner: Runner, summary: dict, variants: dict) -> None:
+    """wrn_seed at bf16, batch 256, on the digits x10, once per variant's overrides."""
     work = args.work
-    upsampled = ["--upsample", "10", "--image-format", "raw"]
-    shards = ["-m", "tpustream.data.write.command", "digits", str(work / "digits10"), *upsampled]
-    runner.run("shards x10", [*shards, "--no-progress"])
+    upsampled = ["--upsample", "10", "--image-format", "raw", "--no-progress"]
+    runner.run(
+        "shards x10", ["-m", "tpustream.data.write.command", "digits", str(work / "digits10"), *upsampled]
+    )
     timed = [
         f"accelerator={args.accelerator}",
         f"data.root={work / 'digits10'}",
@@ -263,7 +252,7 @@ def timing(args: argparse.Namespace, runner: Runner, summary: dict) -> None:
         "epochs=3",
     ]
     summary["timing"] = {}
-    for index, (name, settings) in enumerate(TIMED_VARIANTS.items()):
+    for index, (name, settings) in enumerate(variants.items()):
         run = work / f"timed{index}"
         code = runner.train(f"timed{index}", *timed, *settings, f"output_dir={run}", timeout=240)
         summary["timing"][name] = {"exit_code": code, "overrides": settings, **steady(metrics(run))}
