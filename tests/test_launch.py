@@ -199,6 +199,20 @@ def test_the_xla_cpu_device_compiles_at_o1_unless_the_user_chose(
     assert os.environ.get("XLA_FLAGS") == expected
 
 
+def test_an_xla_run_without_torch_xla_installed_is_one_line_naming_the_extra(prepared, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "torch_xla" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigError, match=r"needs torch_xla, which is not installed: pip install"):
+        prepared("accelerator=cpu")
+    assert prepared("accelerator=cpu_eager").cfg.accelerator.runtime.value == "native"  # needs no torch_xla
+
+
 def test_output_dir_in_a_missing_bucket_fails_before_training(prepared, gcs_emulator):
     with pytest.raises(ConfigError, match="output_dir: gs://no-such-bucket-tps/run: cannot write here"):
         prepared("output_dir=gs://no-such-bucket-tps/run")

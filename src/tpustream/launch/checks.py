@@ -9,6 +9,7 @@ all-reduce for the one that failed).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import typing
@@ -158,6 +159,12 @@ def check_environment() -> None:
 
 def check_accelerator_present(cfg: TrainConfig) -> None:
     """accelerator=tpu or cuda on a machine without the device: say so now, not from N failed replicas."""
+    if cfg.accelerator.runtime == RuntimeKind.xla and importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError(
+            f"accelerator.runtime=xla (device {cfg.accelerator.device.value}) needs torch_xla, which is "
+            "not installed: pip install 'tpustream[xla]' ('tpustream[tpu]' on a TPU VM), or run "
+            "accelerator=cuda or cpu_eager (native PyTorch)"
+        )
     if cfg.accelerator.device == Device.CUDA:
         gpus = local_gpus()
         wanted = cfg.accelerator.num_devices
