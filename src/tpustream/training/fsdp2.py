@@ -52,18 +52,24 @@ def shard_units(model: nn.Module, min_params: int) -> list[nn.Module]:
     return [*units, model]
 
 
-def _whole(value: Any) -> Any:
-    """value with every DTensor gathered whole, on the host (a collective each, same order everywhere)."""
+def _whole(value: Any, keep: bool) -> Any:
+    """value with every DTensor gathered whole, on the host (a collective each, same order everywhere).
+
+    keep=False (not the master): the gathers still run, as every replica must
+    take part, but each whole tensor is dropped at once instead of a full copy
+    of the model and its optimizer state piling up in every replica's memory.
+    """
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
+        whole = value.full_tensor()
+        return whole.cpu() if keep else None
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
+        return value.detach().cpu().clone() if keep else None
     if isinstance(value, dict):
-        return {k: _whole(v) for k, v in value.items()}
+        return {k: _whole(v, keep) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_whole(v) for v in value)
+        return type(value)(_whole(v, keep) for v in value)
     return value
 
 
@@ -94,11 +100,12 @@ class Fsdp2Trainer(Trainer):
 
     def model_and_optimizer_state(self) -> tuple[Any, Any]:
         # Every replica gathers (collectives); the master keeps the whole state.
-        model, optimizer = _whole(self.model.state_dict()), _whole(self.optimizer.state_dict())
-        return (model, optimizer) if self.runtime.is_master else (None, None)
+        keep = self.runtime.is_master
+        model, optimizer = _whole(self.model.state_dict(), keep), _whole(self.optimizer.state_dict(), keep)
+        return (model, optimizer) if keep else (None, None)
 
     def whole_state(self, module: nn.Module, tag: str) -> Any:
-        state = _whole(module.state_dict())
+        state = _whole(module.state_dict(), self.runtime.is_master)
         return state if self.runtime.is_master else None
 
     def load_optimizer_state(self, state: dict[str, Any], source: str) -> None:
@@ -113,7 +120,7 @@ class Fsdp2Trainer(Trainer):
         def reshard(value: Any, param: torch.Tensor) -> Any:
             # Moment buffers have the parameter's shape; scalars (Adam's step) stay whole.
             if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
-                whole = value.to(device=param.device, dtype=value.dtype)
+                whole = value.to(param.device)
                 return distribute_tensor(whole, param.device_mesh, param.placements)
             return value
 
