@@ -13,15 +13,20 @@ from tpustream.observe.timing import InputWait
 from tpustream.observe.xla import compilation_count, compile_seconds
 
 
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """value (tensors in nested dicts, lists and tuples) with function applied to each tensor."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(function, v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(map_tensors(function, v) for v in value)
+    return value
+
+
 def to_host(value: Any) -> Any:
     """value with every tensor in it copied to the CPU (device tensors are computed first)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: to_host(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_host(v) for v in value)
-    return value
+    return map_tensors(lambda tensor: tensor.detach().cpu(), value)
 
 
 class ErrorKeepingIterable:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from tpustream.observe.timing import InputWait, timed
-from tpustream.runtime.device import to_host
+from tpustream.runtime.device import map_tensors, to_host
 from tpustream.runtime.gloo import HostCollectives, average_flat
 
 # A CUDA generator's state: its seed and Philox offset, 8 bytes each.
@@ -39,35 +39,19 @@ def native_device(device_type: str, local_rank: int, deterministic: bool = False
     return torch.device("cpu")
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_clone(v) for v in value)
-    return value
-
-
 def host_copy(value: Any) -> Any:
     """value with its tensors copied to the CPU, never aliased.
 
     .cpu() of a CPU tensor is the tensor itself, which training goes on
     changing after a checkpoint's state was taken.
     """
-    return _clone(to_host(value))
+    return map_tensors(torch.Tensor.clone, to_host(value))
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        # From page-locked memory the copy is asynchronous: the host goes on
-        # preparing the next step while the GPU copies this one's batch.
-        return value.pin_memory().to(device, non_blocking=True)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
+    # From page-locked memory the copy is asynchronous: the host goes on
+    # preparing the next step while the GPU copies this one's batch.
+    return map_tensors(lambda tensor: tensor.pin_memory().to(device, non_blocking=True), value)
 
 
 class NativeRuntime(HostCollectives):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from tpustream.runtime.device import map_tensors
 from tpustream.training.state import plain_optimizer_state_fits
 from tpustream.training.trainer import Trainer
 
@@ -61,16 +62,13 @@ def _whole(value: Any, keep: bool) -> Any:
     """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, DTensor):
-        whole = value.full_tensor()
-        return whole.cpu() if keep else None
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone() if keep else None
-    if isinstance(value, dict):
-        return {k: _whole(v, keep) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_whole(v, keep) for v in value)
-    return value
+    def whole(tensor: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(tensor, DTensor):
+            gathered = tensor.full_tensor()  # a new tensor: .cpu() copies nothing it shares
+            return gathered.cpu() if keep else None
+        return tensor.detach().cpu().clone() if keep else None  # never the live buffer
+
+    return map_tensors(whole, value)
 
 
 class Fsdp2Trainer(Trainer):
