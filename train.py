@@ -37,6 +37,7 @@ from tpustream.checkpoint import OVERWRITE_RESUME
 from tpustream.config import register_configs
 from tpustream.errors import TpustreamError
 from tpustream.launch import describe_result, launch, prepare
+from tpustream.launch.spawn import skip_final_collection
 from tpustream.preemption import Preempted, StoppedBeforeStart, install_stop_handlers
 
 log = logging.getLogger("train")
@@ -93,7 +94,10 @@ if __name__ == "__main__":
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
-    main()
+    try:
+        main()
+    finally:
+        skip_final_collection()  # every job has run: this process only exits now
     if FAILED_JOBS:
         print(f"{len(FAILED_JOBS)} job(s) of the multirun failed: {'; '.join(FAILED_JOBS)}", file=sys.stderr)
         sys.exit(2)
