@@ -33,11 +33,18 @@ from tpustream.testing.emulator import GcsEmulator
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Group the tests for pytest-xdist (README: pytest -n auto --dist loadgroup).
 
     Tests that share a module-scoped fixture (a reference training run) go to
-    one worker together, so the run is made once. The order stays the files':
+    one worker together, so the run is made once. This hook must run before
+    xdist's own (tryfirst), which reads the marks into the node ids it
+    schedules by, and pytest must be older than 9.2, whose node ids ignore
+    that (pytest-dev/pytest-xdist#1386; pyproject pins it). Without either,
+    every test was its own group, measured: a module's fixture runs were made
+    again on the other worker, and again after another module's test ran
+    between two of its tests (pytest tears module fixtures down there). The order stays the files':
     putting the slow files first (to even out the workers' ends) measured 2.5
     minutes slower on 2 cores, as two XLA training processes then always
     shared them.
