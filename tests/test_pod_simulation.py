@@ -43,7 +43,10 @@ def test_four_replicas_see_every_sample_once_stay_identical_and_evaluate_exactly
         f"data.root={digits_bucket}/digits",
         f"data.train_shards='{digits_bucket}/digits/{TRAIN_SUBSET}'",  # Hydra needs braces quoted
         f"output_dir={run}",
-        "data.num_workers=1",  # 4 replicas and their workers share 2 cores
+        # Readers in the replicas' processes: 4 replicas share 2 cores, and a worker and its
+        # fork server per replica would be 8 more processes importing torch. (Workers in a pod:
+        # the SIGTERM test below.)
+        "data.num_workers=0",
         "batch_size=16",
         "epochs=2",
         "debug.check_sync_every=1",  # bit-identical parameters after every step, buffers every epoch
