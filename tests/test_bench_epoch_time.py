@@ -262,9 +262,10 @@ def test_sweep_end_to_end_on_native_pytorch(digits_root, tmp_path):
     # The harness on the native runtime (--accelerator cpu_eager, the GPU path: issue 24's
     # "same table on both"); the XLA CPU device's report is the multirun test's below.
     out = tmp_path / "sweep"
-    # A third of the digits and one process keep 4 runs quick.
+    # A third of the digits and one process keep the 2 runs quick (the plan over several
+    # batch sizes and switches: the tests of build_plan above).
     done = run_harness(
-        *("--batch-sizes", "128", "256", "--epochs", "2", "--switches", "augmentation", "--out", str(out)),
+        *("--batch-sizes", "128", "--epochs", "2", "--switches", "augmentation", "--out", str(out)),
         *("--accelerator", "cpu_eager"),
         "--",
         f"data.root={digits_root}",
@@ -281,8 +282,6 @@ def test_sweep_end_to_end_on_native_pytorch(digits_root, tmp_path):
     assert [(r["batch_size"], r["augmentation"], r["status"]) for r in rows] == [
         ("128", "on", "ok"),
         ("128", "off", "ok"),
-        ("256", "on", "ok"),
-        ("256", "off", "ok"),
     ]
     for row in rows:
         assert int(row["compilations"]) == 0, row  # eager: nothing compiles
@@ -305,8 +304,6 @@ def test_sweep_end_to_end_on_native_pytorch(digits_root, tmp_path):
     assert [r.split(" | ")[0] for r in rows_md] == [
         "| batch 128, baseline",
         "| batch 128, augmentation off",
-        "| batch 256, baseline",
-        "| batch 256, augmentation off",
     ]
     assert all(r.count("|") == 13 and "n/a" not in r.split(" | ")[3] for r in rows_md)
     for name in ("epoch_time.png", "ratios.png"):

@@ -200,7 +200,7 @@ def test_a_timm_vit_learns_digits_with_ema_and_compiles_in_epoch_0_only(digits_r
         "optim.warmup_epochs=0.5",
         "ema.decay=0.99",
         "ema.warmup=true",
-        "epochs=6",
+        "epochs=4",
         "batch_size=32",
         "log_steps=1000",
         "data.num_workers=0",
@@ -212,9 +212,10 @@ def test_a_timm_vit_learns_digits_with_ema_and_compiles_in_epoch_0_only(digits_r
     records = read_metrics(run)
     assert len({r["compilations"] for r in records}) == 1  # all in epoch 0
     last = records[-1]
-    # Measured: 65% and 63% (EMA) after 6 epochs of 1,438 images; chance is 10%.
-    assert last["val_accuracy"] > 0.5 and last["ema_val_accuracy"] > 0.5
-    assert last["val_top5"] > 0.9 and last["ema_val_top5"] > 0.9
+    # Measured: 54% and 54% (EMA) after 4 epochs of 1,438 images, top-5 93%; chance is 10%
+    # and 50%. (6 epochs reached 65%: 2 more cost 9 s of the suite and showed nothing more.)
+    assert last["val_accuracy"] > 0.45 and last["ema_val_accuracy"] > 0.45
+    assert last["val_top5"] > 0.85 and last["ema_val_top5"] > 0.85
     best = load_checkpoint(checkpoint_url(run, "best.pt"))
     assert best["ema"].keys() == best["model"].keys()
 
