@@ -13,11 +13,29 @@ the workers, start ignoring and blocking both; their worker_init_fn
 (launch.replica.init_data_worker) ignores them again, after torch's worker
 loop installed its own SIGTERM handler, and unblocks them.
 
+It then imports what every worker needs (PRELOAD) and freezes the garbage
+collector's view of it (gc.freeze): the workers, its forks, inherit those
+objects in the permanent generation, so their collections neither walk nor
+write to the pages they share with the server (copy-on-write stays shared),
+and the server's own exit skips the full collections over them (about 1 s
+of CPU a fork server, measured: 5.8 -> 4.7 s for a process that imported
+PRELOAD and exited).
+
 Only inside the fork server: imported anywhere else (a test importing every
 module) it changes nothing.
 """
 
+import contextlib
+import gc
+import importlib
 import sys
+
+# What every worker imports, once, here: torch, the image decoders
+# (torchvision.io, which the pipeline imports only when it builds its
+# decoder), the pipeline, and what train.py imports (each worker imports
+# train.py, the main module, itself: preloaded, its stop handlers would be
+# the fork server's).
+PRELOAD = ("torch", "torchvision.io", "hydra", "tpustream.launch", "tpustream.data.read.stream")
 
 
 def _in_fork_server() -> bool:
@@ -36,3 +54,8 @@ if _in_fork_server():
     from tpustream.preemption import ignore_stop_signals
 
     ignore_stop_signals(keep_blocked=True)
+    for name in PRELOAD:
+        # As multiprocessing's own preload: a module that fails here, a worker imports itself.
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    gc.freeze()

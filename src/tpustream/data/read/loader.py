@@ -22,20 +22,9 @@ from tpustream.preemption import exit_with_parent, stop_signals_blocked
 
 # Shards with bad data each replica remembers per pass, for the error that names them.
 MAX_BAD_SHARDS = 3
-# What every worker imports, imported once by the replica's fork server: first
-# fork_server (which makes the server ignore stop signals), then torch, the
-# image decoders (torchvision.io, which the pipeline imports only when it
-# builds its decoder), the pipeline, and what train.py imports (each worker
-# imports train.py, the main module, itself: preloaded, its stop handlers
-# would be the fork server's).
-WORKER_PRELOAD = [
-    "tpustream.data.read.fork_server",
-    "torch",
-    "torchvision.io",
-    "hydra",
-    "tpustream.launch",
-    "tpustream.data.read.stream",
-]
+# The replica's fork server imports this first: it makes the server ignore
+# stop signals, then imports what every worker needs (fork_server.PRELOAD).
+WORKER_PRELOAD = ["tpustream.data.read.fork_server"]
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
@@ -46,7 +35,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     spawned worker imports torch and the pipeline itself, 2-4 s of CPU each,
     and a replica starts 2 x data.num_workers of them (training and
     validation), all at once. The fork server is a fresh process (started
-    by fork + exec, with no threads) that imports WORKER_PRELOAD once; each
+    by fork + exec, with no threads) that imports the pipeline once; each
     worker is a fork of it (measured with 2 loaders x 2 workers: 2.6 s to the
     first batches instead of 8.1 s). It starts with the first worker and
     ignores stop signals like the workers (fork_server).
