@@ -149,9 +149,12 @@ def test_a_torchvision_model_trains_on_xla_and_compiles_once(digits_root, tmp_pa
     """One train and one eval graph, compiled in epoch 0 and never again (a pod's steps stay fast).
 
     timm's side is the ViT below and the fine-tuned timm ResNet of test_pretrained (a
-    ConvNeXt here cost 46 s of the suite and showed nothing those two do not).
+    ConvNeXt here cost 46 s of the suite and showed nothing those two do not). The
+    adapter is the same for every torchvision classifier: SqueezeNet 1.1 is the one
+    XLA:CPU compiles fastest (measured, 2 epochs of 256 digits: 31 CPU-s; ResNet-18
+    65, ShuffleNetV2 0.5 48, MNASNet 0.5 78, MobileNetV3-S 69).
     """
-    overrides = ["model=torchvision", "model.name=resnet18"]
+    overrides = ["model=torchvision", "model.name=squeezenet1_1"]
     from tests.conftest import run_train
     from tpustream.checkpoint import read_metrics
 
@@ -170,10 +173,9 @@ def test_a_torchvision_model_trains_on_xla_and_compiles_once(digits_root, tmp_pa
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run)
-    # The train step and evaluation, once each (and with BatchNorm one graph
-    # more on the first step's fresh buffers), all in epoch 0: none after.
+    # The train step and evaluation, once each, all in epoch 0: none after.
     first, second = (r["compilations"] for r in records)
-    assert first == second <= 3
+    assert first == second <= 2
     assert [r["val_samples"] for r in records] == [359, 359]
 
 

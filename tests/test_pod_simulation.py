@@ -187,7 +187,13 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(di
 
     # One replica of 64 with one worker now: the same global batch of 64, so the run
     # continues at the step it stopped (batch_size differs from the run folder's: allowed).
-    second_shape = ["batch_size=64", "data.num_workers=1", "accelerator.num_devices=1"]
+    # (The replica in train.py's process: a spawned one would only add a process importing torch.)
+    second_shape = [
+        "batch_size=64",
+        "data.num_workers=1",
+        "accelerator.num_devices=1",
+        "accelerator.in_process=true",
+    ]
     resumed = run_train(*stopped, *second_shape, f"hydra.run.dir={tmp_path}/h2")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"stopped at step {stop} of epoch 0 under 2 replica(s) x batch 32, 2 worker(s); continuing" in (

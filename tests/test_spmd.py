@@ -90,9 +90,48 @@ def spmd_stopped(digits_root, tmp_path_factory) -> str:
     return train(tmp_path_factory, "spmd-stopped", digits_root, *spmd("spmd"), *STOPPED_AT, code=STOPPED)
 
 
+# spmd_fsdp with all the rest: micro-batches, bf16, a weight average (sharded as the
+# parameters and evaluated by the same graph) and augmentation on the device (pairs within
+# each device's share of the global batch, pixel noise hashed per sample on the sharded
+# batch). With the default log_steps and saves mid-epoch: a save that no logged loss had
+# just waited for read shards still being computed and crashed (issue 18); log_steps=1 hid it.
+FSDP_RECIPE = (
+    *spmd("spmd_fsdp"),
+    "fsdp_wrap_min_params=1000",
+    "micro_batches=2",
+    "precision=bf16",
+    "log_steps=20",
+    "checkpoint.every_n_steps=5",
+    "ema.decay=0.8",  # close behind the weights: about 5 updates (0.99 lagged 10 at step 32)
+    "ema.warmup=true",
+    "augment.mixup_alpha=0.2",
+    "augment.mix_mode=pair",
+    "augment.erase_prob=0.25",
+    "augment.erase_mode=pixel",
+)
+
+
 @pytest.fixture(scope="module")
-def spmd_two_epochs(digits_root, tmp_path_factory) -> str:
-    return train(tmp_path_factory, "spmd2", digits_root, *spmd("spmd"))
+def fsdp_straight(digits_root, tmp_path_factory) -> str:
+    """FSDP_RECIPE for 2 epochs straight: the reference of its stopped run's resume, and the
+    uninterrupted sample order of every run here (a function of the data and the global batch
+    of 32 only, whatever the strategy, devices and options)."""
+    return train(tmp_path_factory, "fsdp2", digits_root, *FSDP_RECIPE)
+
+
+@pytest.fixture(scope="module")
+def spmd_resumed_on_2(digits_root, tmp_path_factory, spmd_stopped) -> tuple[str, str]:
+    """The spmd run stopped at step 5 on 4 devices x 8, continued to its end on 2 devices x 16
+    (the same global batch) in a copy of its folder; returns (run folder, stderr)."""
+    folder = tmp_path_factory.mktemp("spmd-resumed")
+    run = str(folder / "run")
+    shutil.copytree(spmd_stopped, run)
+    two_devices = ("strategy=spmd", "accelerator.num_devices=2", "batch_size=16")
+    samples = f"debug.sample_log_dir={folder}/samples"
+    options = ("accelerator.in_process=true", samples, *two_devices)
+    resumed = run_train(*common(digits_root, run, str(folder / "h"), *options))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return run, resumed.stderr
 
 
 # Float rounding after 5 steps of two programs: up to 8.7e-6 measured (see above).
@@ -143,64 +182,33 @@ def sample_log(run: str, epoch: int, part: str = "") -> np.ndarray:
 
 
 def test_spmd_evaluates_exactly_compiles_once_and_resumes_on_2_devices(
-    digits_root, tmp_path_factory, spmd_stopped, spmd_two_epochs
+    spmd_stopped, spmd_resumed_on_2, fsdp_straight
 ):
-    records = read_metrics(spmd_two_epochs)
-    assert [r["val_samples"] for r in records] == [359, 359]  # 12 steps of 32, 25 padded and masked
-    assert [r["train_samples"] for r in records] == [TRAIN_SAMPLES] * 2
-    # One train graph and one eval graph: nothing compiles after the first epoch.
-    assert records[0]["compilations"] == records[1]["compilations"]
-    assert last(spmd_two_epochs)["global_step"] == 2 * STEPS_PER_EPOCH
-
     # The run stopped at step 5 (mid-epoch 0) on 4 devices x 8 continues on 2 devices x 16
-    # (the same global batch): at step 5, on the straight run's samples, step by step.
+    # (the same global batch): at step 5, on the uninterrupted run's samples, step by step.
     # (The same shape resumes bit for bit: test_spmd_fsdp_sigterm_saves_and_resumes_bitwise.)
     stopped = last(spmd_stopped)
     assert (stopped["position"]["epoch"], stopped["position"]["step"]) == (0, STOP)
-    folder = tmp_path_factory.mktemp("spmd-resumed")
-    run = str(folder / "run")
-    shutil.copytree(spmd_stopped, run)  # the stopped run's folder, resumed in a copy of its own
-    two_devices = ("strategy=spmd", "accelerator.num_devices=2", "batch_size=16")
-    samples = f"debug.sample_log_dir={folder}/samples"
-    options = ("accelerator.in_process=true", samples, *two_devices)
-    resumed = run_train(*common(digits_root, run, str(folder / "h"), *options))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run, stderr = spmd_resumed_on_2
     # (A host's batch is 32 either way: its data plan is the same.)
-    assert f"at epoch 0, step {STOP}" in resumed.stderr and "restarts" not in resumed.stderr
+    assert f"at epoch 0, step {STOP}" in stderr and "restarts" not in stderr
     assert last(run)["global_step"] == 2 * STEPS_PER_EPOCH
     epoch0 = np.concatenate(
         [sample_log(spmd_stopped, 0, f"-to{STOP:05d}"), sample_log(run, 0, f"-from{STOP:05d}")]
     )
-    assert np.array_equal(epoch0, sample_log(spmd_two_epochs, 0))
-    assert np.array_equal(sample_log(run, 1), sample_log(spmd_two_epochs, 1))
-    assert [r["train_samples"] for r in read_metrics(run)] == [TRAIN_SAMPLES] * 2
+    assert np.array_equal(epoch0, sample_log(fsdp_straight, 0))
+    assert np.array_equal(sample_log(run, 1), sample_log(fsdp_straight, 1))
+
+    records = read_metrics(run)
+    assert [r["val_samples"] for r in records] == [359, 359]  # 12 steps of 32, 25 padded and masked
+    assert [r["train_samples"] for r in records] == [TRAIN_SAMPLES] * 2
+    # One train graph and one eval graph: nothing compiles after the first epoch.
+    assert records[0]["compilations"] == records[1]["compilations"]
 
 
-def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory):
-    """micro_batches=2, bf16, ema and augment too; the replica in a child process, the signal to the group.
-
-    With the default log_steps and saves mid-epoch: a save that no logged
-    loss had just waited for read shards still being computed and crashed
-    (issue 18); log_steps=1 hid it.
-    """
-    options = (
-        *spmd("spmd_fsdp"),
-        "fsdp_wrap_min_params=1000",
-        "micro_batches=2",
-        "precision=bf16",
-        "log_steps=20",
-        "checkpoint.every_n_steps=5",
-        # The weight average, sharded as the parameters and evaluated by the same graph.
-        "ema.decay=0.8",  # close behind the weights: about 5 updates (0.99 lagged 10 at step 32)
-        "ema.warmup=true",
-        # Augmentation on the device: pairs within each device's share of the global batch,
-        # pixel noise hashed per sample on the sharded batch.
-        "augment.mixup_alpha=0.2",
-        "augment.mix_mode=pair",
-        "augment.erase_prob=0.25",
-        "augment.erase_mode=pixel",
-    )
-    straight = train(tmp_path_factory, "fsdp2", digits_root, *options)
+def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory, fsdp_straight):
+    """FSDP_RECIPE stopped by a signal to its group, the replica in a child process; resumed bit for bit."""
+    straight = fsdp_straight
     records = read_metrics(straight)
     assert records[0]["compilations"] == records[1]["compilations"]
     # A warmed-up average lags the weights: 32% vs 43% measured (chance is 10%).
@@ -210,7 +218,7 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
 
     folder = tmp_path_factory.mktemp("fsdp-sigterm")
     run = str(folder / "run")
-    command = train_command(*common(digits_root, run, str(folder / "h1"), *options))
+    command = train_command(*common(digits_root, run, str(folder / "h1"), *FSDP_RECIPE))
     target = STEPS_PER_EPOCH  # logged at epoch 1's step 0; the stop comes a few steps later
     code, stderr = sigterm_at_step(command, target, STEPS_PER_EPOCH)
     assert code == PREEMPTED_EXIT_CODE, stderr[-3000:]
@@ -218,7 +226,7 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     assert saved["strategy"] == "spmd_fsdp" and target <= saved["global_step"] < 2 * STEPS_PER_EPOCH
 
     in_process = "accelerator.in_process=true"
-    resumed = run_train(*common(digits_root, run, str(folder / "h2"), in_process, *options))
+    resumed = run_train(*common(digits_root, run, str(folder / "h2"), in_process, *FSDP_RECIPE))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(run, straight, steps=2 * STEPS_PER_EPOCH)
 
@@ -255,11 +263,14 @@ def test_spmd_fsdp_shards_wrn_seed_four_ways():
     assert probe["per_device"] == pytest.approx(probe["total"] / 4, rel=0.001)
 
 
-def test_checkpoints_cross_between_ddp_and_spmd(digits_root, tmp_path_factory, ddp_stopped, spmd_two_epochs):
+def test_checkpoints_cross_between_ddp_and_spmd(
+    digits_root, tmp_path_factory, ddp_stopped, spmd_resumed_on_2, fsdp_straight
+):
     in_process = "accelerator.in_process=true"
-    # best.pt of the spmd run, evaluated by ddp on one device: the accuracy the spmd run recorded.
+    # best.pt of an spmd run, evaluated by ddp on one device: the accuracy the spmd run recorded.
+    spmd_run, spmd_log = spmd_resumed_on_2
     folder = tmp_path_factory.mktemp("cross")
-    best = checkpoint_url(spmd_two_epochs, "best.pt")
+    best = checkpoint_url(spmd_run, "best.pt")
     evaluated = run_train(
         *common(digits_root, str(folder / "eval"), str(folder / "h1"), in_process),
         "batch_size=32",
@@ -267,7 +278,7 @@ def test_checkpoints_cross_between_ddp_and_spmd(digits_root, tmp_path_factory, d
         f"resume={best}",
     )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    record = next(r for r in read_metrics(spmd_two_epochs) if r["epoch"] == load_checkpoint(best)["epoch"])
+    record = next(r for r in read_metrics(spmd_run) if r["epoch"] == load_checkpoint(best)["epoch"])
     assert f"({record['val_correct']}/359)" in evaluated.stderr
 
     # ddp's last.pt, 5 steps into epoch 0, continues on the 4-device mesh: the same global
@@ -280,19 +291,19 @@ def test_checkpoints_cross_between_ddp_and_spmd(digits_root, tmp_path_factory, d
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at epoch 0, step {STOP}" in resumed.stderr and "starts fresh" not in resumed.stderr
     assert last(run)["global_step"] == 2 * STEPS_PER_EPOCH
-    # The straight spmd run's samples, step by step, and its next steps' losses. (Both
-    # trajectories agree to float rounding for a few steps; from step 12 or 13, at the
-    # peak learning rate, rounding differences grow by orders of magnitude per step, in
-    # any two runs that differ in reduction order.)
+    # The uninterrupted run's samples, step by step, and the next steps' losses of the spmd
+    # run resumed at the same step (its state at step 5 is ddp's to float rounding). (Such
+    # trajectories agree to float rounding for a few steps; from step 12 or 13, at the peak
+    # learning rate, rounding differences grow by orders of magnitude per step, in any two
+    # runs that differ in reduction order.)
     epoch0 = np.concatenate(
         [sample_log(ddp_stopped, 0, f"-to{STOP:05d}"), sample_log(run, 0, f"-from{STOP:05d}")]
     )
-    assert np.array_equal(epoch0, sample_log(spmd_two_epochs, 0))
-    logs = (Path(spmd_two_epochs).parent / "h").glob("*.log")
-    straight = step_losses(" ".join(log.read_text() for log in logs))
+    assert np.array_equal(epoch0, sample_log(fsdp_straight, 0))
+    theirs = step_losses(spmd_log)
     mine = step_losses(resumed.stderr)
     for step in (STOP, STOP + 1):
-        assert mine[0, step] == pytest.approx(straight[0, step], abs=1e-4), step
+        assert mine[0, step] == pytest.approx(theirs[0, step], abs=1e-4), step
 
 
 def step_losses(log: str) -> dict[tuple[int, int], float]:
