@@ -283,6 +283,21 @@ def xla_scenario() -> None:
         name for _, _, names in os.walk(logdir) for name in names if name.endswith(".xplane.pb")
     ]
     report["log"] = records.messages
+
+    # (runtime.device, here to share this process's torch_xla import.) Every xp.Trace entered
+    # popped SKIP_MEGASCALE_PJRT_CLIENT from os.environ again, racing with threads that iterate
+    # it (KeyError in a replica reading gs:// on the loader's thread); after the device loader,
+    # a Trace leaves the key in place.
+    from tpustream.runtime.device import MEGASCALE_SKIP, timed_parallel_loader
+
+    os.environ.pop(MEGASCALE_SKIP, None)
+    with xp.Trace("before"):
+        pass
+    report["megascale_before"] = os.environ.get(MEGASCALE_SKIP)
+    report["loaded"] = len(list(timed_parallel_loader([torch.zeros(2)] * 3, device, None)))
+    with xp.Trace("after"):
+        pass
+    report["megascale_after"] = os.environ.get(MEGASCALE_SKIP)
     del server
     print(json.dumps(report))
 
@@ -329,6 +344,12 @@ def test_metrics_summary_on_xla_counts_compilations_transfers_and_fallbacks(xla_
     assert summary.startswith(f"XLA: {metrics['compilations']} compilations (")
     assert "CPU fallbacks: aten::linalg_eig x1" in summary
     assert "\n" not in summary
+
+
+def test_the_device_loader_keeps_the_environments_keys_under_torch_xla_traces(xla_report):
+    assert xla_report["megascale_before"] is None  # torch_xla's Trace pops what it set
+    assert xla_report["loaded"] == 3
+    assert xla_report["megascale_after"] == "true"  # restored, never popped: no key vanishes
 
 
 def test_profiler_listens_on_port_plus_local_ordinal_and_serves_a_capture(xla_report):

@@ -12,6 +12,9 @@ import torch
 from tpustream.observe.timing import InputWait
 from tpustream.observe.xla import compilation_count, compile_seconds
 
+# The variable torch_xla's jax workaround sets and pops around every xp.Trace (timed_parallel_loader).
+MEGASCALE_SKIP = "SKIP_MEGASCALE_PJRT_CLIENT"
+
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """value (tensors in nested dicts, lists and tuples) with function applied to each tensor."""
@@ -58,6 +61,20 @@ def timed_parallel_loader(
     may compile, and is not waiting for input).
     """
     import torch_xla.distributed.parallel_loader as pl
+
+    # ParallelLoader wraps its threads' work in xp.Trace, and torch_xla 2.9
+    # enters every Trace by setting SKIP_MEGASCALE_PJRT_CLIENT in os.environ
+    # and popping it again (jax_workarounds.jax_env_context, around its try
+    # at importing jax). With data.num_workers=0 the shards are read on the
+    # loader's own thread, and reading over HTTP (gs://, https://) iterates
+    # os.environ (requests' proxy lookup): a key popped between the listing
+    # and the lookup raised KeyError: 'SKIP_MEGASCALE_PJRT_CLIENT' and failed
+    # a replica of the simulated pod. Set, the context restores the value
+    # instead of popping it, so the environment's keys stop changing. By now
+    # this process's own PJRT client exists (the model is on the device); the
+    # variable only tells a later one, jax's, not to start MegaScale, which is
+    # what torch_xla sets it for.
+    os.environ.setdefault(MEGASCALE_SKIP, "true")
 
     class TimedLoader(pl.ParallelLoader):
         def next_item(self, device):
