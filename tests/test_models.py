@@ -148,8 +148,8 @@ def test_a_model_is_built_and_run_on_the_meta_device_before_spawning():
 def test_a_torchvision_model_trains_on_xla_and_compiles_once(digits_root, tmp_path):
     """One train and one eval graph, compiled in epoch 0 and never again (a pod's steps stay fast).
 
-    timm's side is the ViT below and the fine-tuned timm ResNet of test_pretrained (a
-    ConvNeXt here cost 46 s of the suite and showed nothing those two do not). The
+    timm's side on XLA is the ViT below (test_pretrained fine-tunes a timm ResNet on the
+    CPU without XLA; a ConvNeXt here cost 46 s of the suite and showed nothing more). The
     adapter is the same for every torchvision classifier: SqueezeNet 1.1 is the one
     XLA:CPU compiles fastest (measured, 2 epochs of 256 digits: 31 CPU-s; ResNet-18
     65, ShuffleNetV2 0.5 48, MNASNet 0.5 78, MobileNetV3-S 69).
