@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests import zygote
 from tests.fault_proxy import FaultProxy
 from tpustream import storage
 from tpustream.data.format.manifest import MANIFEST_FORMAT, MANIFEST_NAME
@@ -186,15 +187,20 @@ def xla_cpu_env(devices: int = 1) -> dict[str, str]:
 def run_train(
     *overrides: str, env: dict[str, str] | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    """Run train.py in a fresh process (XLA tests must not share a process with eager backward)."""
-    return subprocess.run(
-        train_command(*overrides),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        cwd=str(REPO),
-    )
+    """Run train.py in a process of its own (XLA tests must not share a process with eager backward).
+
+    Like subprocess.run(capture_output=True, text=True); the process is a
+    fork of a zygote that has imported torch and torch_xla (tests/zygote.py).
+    """
+    return zygote.run(train_command(*overrides), cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def popen_train(command: list[str], **popen: Any) -> subprocess.Popen | zygote.ZygoteChild:
+    """subprocess.Popen(command, cwd=REPO, text=True, **popen) for a train.py command, forked from a zygote.
+
+    popen: env, stdout, stderr (None, PIPE or, for stderr, STDOUT), start_new_session.
+    """
+    return zygote.start(command, cwd=REPO, **popen)
 
 
 def assert_same_run(run: str, reference: str, steps: int) -> None:
@@ -230,7 +236,7 @@ def sigterm_at_step(command: list[str], target: int, steps_per_epoch: int) -> tu
     code and stderr. The signal goes at the first logged step at or past the
     target, so the command should log every step (log_steps=1) for an exact one.
     """
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = popen_train(command, stderr=subprocess.PIPE, start_new_session=True)
     lines = []
     deadline = time.time() + 300
     for line in process.stderr:

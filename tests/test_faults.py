@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import REPO, run_train, train_command
+from tests.conftest import popen_train, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.data.write.command import main as make_shards_main
@@ -73,9 +73,7 @@ def test_gcs_vanishing_before_the_final_upload_keeps_the_checkpoint_locally(
         f"hydra.run.dir={hydra_dir}",
     )
     env = {**os.environ, "TPUSTREAM_GCS_RETRY_SECONDS": "3"}
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    process = popen_train(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output = []
     for line in process.stdout:
         output.append(line)

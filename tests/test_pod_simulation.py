@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_train, train_command
+from tests.conftest import popen_train, run_train, train_command
 from tpustream.checkpoint import load_checkpoint, read_metrics
 from tpustream.data.read.plan import choose_partition, order_shards, plan_layout, stream_spans
 from tpustream.data.read.stages import SHARD_ID_SHIFT
@@ -166,9 +166,7 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(di
     ]
     first_shape = ["batch_size=32", "data.num_workers=2", "accelerator.num_devices=2"]
     command = train_command(*stopped, *first_shape)
-    process = subprocess.Popen(
-        [*command, f"hydra.run.dir={tmp_path}/h1"], cwd=REPO, stderr=subprocess.PIPE, text=True
-    )
+    process = popen_train([*command, f"hydra.run.dir={tmp_path}/h1"], stderr=subprocess.PIPE)
     pids: dict[int, int] = {}
     lines = []
     for line in process.stderr:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, numbered_samples, train_command, write_wds_shards
+from tests.conftest import REPO, numbered_samples, popen_train, train_command, write_wds_shards
 from tpustream import preemption
 from tpustream.checkpoint import checkpoint_url, load_checkpoint
 from tpustream.errors import PREEMPTED_EXIT_CODE
@@ -176,7 +176,7 @@ def _alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}") and not preemption._zombie(pid)
 
 
-def start_train(digits_root: str, tmp_path, *overrides: str) -> subprocess.Popen:
+def start_train(digits_root: str, tmp_path, *overrides: str, fresh: bool = False) -> subprocess.Popen:
     command = train_command(
         f"data.root={digits_root}",
         f"output_dir={tmp_path}/run",
@@ -185,9 +185,9 @@ def start_train(digits_root: str, tmp_path, *overrides: str) -> subprocess.Popen
         *overrides,
     )
     # A session of its own, so that the test can signal its process group as a terminal would.
-    return subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    # fresh: a new interpreter, importing torch and torch_xla itself (not a zygote's fork).
+    start = functools.partial(subprocess.Popen, text=True, cwd=REPO) if fresh else popen_train
+    return start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def wait_for(process: subprocess.Popen, pattern: str, lines: list[str]) -> None:
@@ -277,7 +277,7 @@ def finish(process: subprocess.Popen) -> str:
 @pytest.mark.slow
 def test_ctrl_c_while_train_py_starts_stops_it_before_any_replica(digits_root, tmp_path):
     """Ctrl-C in train.py's first second (its imports): exit 130, no replica, nothing written."""
-    process = start_train(digits_root, tmp_path, "epochs=1")
+    process = start_train(digits_root, tmp_path, "epochs=1", fresh=True)
     deadline = time.time() + 60
     while not handlers_installed(process.pid):
         assert time.time() < deadline and process.poll() is None, "train.py never installed its handlers"
@@ -331,9 +331,7 @@ def test_sigterm_while_samples_are_counted_stops_before_any_replica(slow_http_fo
         f"output_dir={tmp_path}/run",
         f"hydra.run.dir={tmp_path}/h",
     )
-    process = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    process = popen_train(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert asked.wait(timeout=120), "train.py never read the shards"
     finally:

@@ -1,0 +1,423 @@
+"""Start the tests' train.py runs from a process that has already imported torch and torch_xla.
+
+Every XLA training test runs train.py in a process of its own, as it must
+(XLA tests must not share a process with eager backward, and each run is a
+real `python train.py`). On this project's 2-core machines a small run is
+about 12 CPU-seconds, of which about 5 are imports (torch, torch_xla, Hydra):
+the suite is CPU-bound and starts over forty such runs. A zygote (as Android's
+and Chromium's are called) imports them once; each run is a fork of it that
+then does what `python train.py ARGS` does: its own pid, session or process
+group, cwd, environment, argv and stdio, train.py run as __main__, and a
+normal interpreter exit (thread joins, exit handlers, flushes, finalization).
+
+What a fork cannot reproduce falls back to a fresh interpreter:
+- an environment that differs from the zygote's in a variable read at import
+  (`IMPORT_TIME_VARIABLES`: PJRT, XLA, torch, Python, threading libraries):
+  each such environment gets a zygote of its own, started with it;
+- a command that is not `python SCRIPT.py ARGS` (no interpreter options);
+- TPUSTREAM_TEST_FRESH_PROCESSES=1, for the whole suite.
+
+Variables that the imports themselves set (torch_xla sets defaults such as
+TF_CPP_MIN_LOG_LEVEL) are set in the run's environment too, unless the run
+gives them a value of its own, as they would be in a fresh process.
+
+A zygote imports nothing of torch_xla when the run is on the native path
+(accelerator=cpu_eager or cuda), which must work without torch_xla.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import json
+import os
+import queue
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+FRESH_PROCESSES = "TPUSTREAM_TEST_FRESH_PROCESSES"
+
+# Read when these modules are imported (or by the libraries they load), so a
+# zygote's children must have the values the zygote imported with.
+IMPORT_TIME_VARIABLES = (
+    "PYTHON",
+    "LD_",
+    "PJRT_",
+    "XLA_",
+    "TPU_",
+    "PT_",
+    "TORCH",
+    "TF_",
+    "CPU_NUM_DEVICES",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "CUDA",
+    "NCCL_",
+    "GRPC_",
+    "LIBTPU",
+    "JAX",
+    "HYDRA",
+)
+
+# The modules that train.py and its in-process replica import; each run that
+# starts from the zygote finds them imported.
+NATIVE_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.utils.data",
+    "torchvision",
+    "hydra",
+    "omegaconf",
+    "tpustream.launch",
+    "tpustream.launch.replica",
+)
+XLA_PRELOAD = (
+    *NATIVE_PRELOAD,
+    "torch_xla",
+    "torch_xla.core.xla_model",
+    "torch_xla.runtime",
+    "torch_xla.distributed.parallel_loader",
+    "torch_xla.distributed.xla_multiprocessing",
+    "torch_xla.debug.metrics",
+)
+NATIVE_ACCELERATORS = ("accelerator=cpu_eager", "accelerator=cuda")
+
+
+def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_VARIABLES)))
+
+
+def preload_for(args: Sequence[str]) -> str:
+    return "native" if any(arg in NATIVE_ACCELERATORS for arg in args) else "xla"
+
+
+# --- the test's side -------------------------------------------------------------------
+
+
+class Zygote:
+    """One zygote process: a socket to ask for forks, a thread that reads their starts and ends."""
+
+    def __init__(self, preload: str, env: dict[str, str], cwd: str):
+        self.requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", preload, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+        )
+        theirs.close()
+        self.started: queue.Queue[dict] = queue.Queue()
+        self.lock = threading.Lock()
+        self.forking = threading.Lock()  # one request and its reply at a time
+        self.ends: dict[int, ZygoteChild] = {}
+        self.early_ends: dict[int, int] = {}
+        self.reader = threading.Thread(target=self.read, name="zygote-reader", daemon=True)
+        self.reader.start()
+
+    def read(self) -> None:
+        while True:
+            try:
+                message = self.requests.recv(4096)
+            except OSError:
+                message = b""
+            if not message:
+                self.started.put({"error": "the zygote exited"})
+                with self.lock:
+                    children = list(self.ends.values())
+                for child in children:
+                    child.ended(-signal.SIGKILL)
+                return
+            reply = json.loads(message)
+            if "ended" in reply:
+                with self.lock:
+                    child = self.ends.pop(reply["ended"], None)
+                    if child is None:  # it ended before its start was read
+                        self.early_ends[reply["ended"]] = reply["returncode"]
+                        continue
+                child.ended(reply["returncode"])
+            else:
+                self.started.put(reply)
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], new_session: bool):
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "new_session": new_session}).encode()
+        with self.forking:
+            socket.send_fds(self.requests, [request], stdio)
+            reply = self.started.get(timeout=600)  # the first waits for the zygote's imports
+        if "error" in reply:
+            raise RuntimeError(f"zygote: {reply['error']}")
+        child = ZygoteChild(reply["pid"])
+        with self.lock:
+            if reply["pid"] in self.early_ends:
+                child.ended(self.early_ends.pop(reply["pid"]))
+            else:
+                self.ends[reply["pid"]] = child
+        return child
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.requests.shutdown(socket.SHUT_RDWR)
+        self.requests.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class ZygoteChild:
+    """The part of subprocess.Popen the tests use, for a process the zygote forked."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self.done = threading.Event()
+        self.stdout: IO[str] | None = None
+        self.stderr: IO[str] | None = None
+
+    def ended(self, returncode: int) -> None:
+        self.returncode = returncode
+        self.done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"train.py (pid {self.pid})", timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        results: dict[str, str] = {}
+
+        def drain(name: str, stream: IO[str]) -> None:
+            results[name] = stream.read()
+            stream.close()
+
+        readers = [
+            threading.Thread(target=drain, args=(name, stream), daemon=True)
+            for name, stream in (("stdout", self.stdout), ("stderr", self.stderr))
+            if stream is not None
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout)
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(f"train.py (pid {self.pid})", timeout)
+        self.wait(timeout)
+        return results.get("stdout"), results.get("stderr")
+
+
+class Zygotes:
+    """This test process's zygotes, one per preload and import-time environment, started on first use."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.zygotes: dict[tuple, Zygote] = {}
+        atexit.register(self.close)
+
+    def get(self, preload: str, env: dict[str, str], cwd: str) -> Zygote:
+        key = (preload, import_time_environment(env))
+        with self.lock:
+            if key not in self.zygotes:
+                self.zygotes[key] = Zygote(preload, env, cwd)
+            return self.zygotes[key]
+
+    def close(self) -> None:
+        with self.lock:
+            zygotes, self.zygotes = list(self.zygotes.values()), {}
+        for zygote in zygotes:
+            zygote.close()
+
+
+ZYGOTES = Zygotes()
+
+
+def can_fork(argv: Sequence[str], env: dict[str, str]) -> bool:
+    return (
+        env.get(FRESH_PROCESSES, os.environ.get(FRESH_PROCESSES, "")) in ("", "0")
+        and len(argv) >= 2
+        and argv[0] == sys.executable
+        and argv[1].endswith(".py")
+        and not argv[1].startswith("-")
+    )
+
+
+def start(
+    argv: list[str],
+    *,
+    cwd: str | os.PathLike,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    start_new_session: bool = False,
+) -> subprocess.Popen | ZygoteChild:
+    """subprocess.Popen(argv, text=True, ...) for `python train.py ARGS`, forked from a zygote if it can be.
+
+    stdout/stderr: None (inherit), subprocess.PIPE, or subprocess.STDOUT for stderr.
+    """
+    env = dict(os.environ if env is None else env)
+    if not can_fork(argv, env):
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=start_new_session,
+        )
+    zygote = ZYGOTES.get(preload_for(argv[2:]), env, str(cwd))
+    mine: dict[str, int] = {}
+    theirs = [os.open(os.devnull, os.O_RDONLY), 1, 2]
+    opened = [theirs[0]]
+    if stdout == subprocess.PIPE:
+        mine["stdout"], theirs[1] = os.pipe()
+        opened.append(theirs[1])
+    if stderr == subprocess.PIPE:
+        mine["stderr"], theirs[2] = os.pipe()
+        opened.append(theirs[2])
+    elif stderr == subprocess.STDOUT:
+        theirs[2] = theirs[1]
+    try:
+        child = zygote.fork(argv[1:], env, str(cwd), theirs, start_new_session)
+    except BaseException:
+        for fd in mine.values():
+            os.close(fd)
+        raise
+    finally:
+        for fd in opened:
+            os.close(fd)
+    for name, fd in mine.items():
+        setattr(child, name, open(fd, encoding="utf-8"))  # noqa: SIM115 (the caller reads and closes it)
+    return child
+
+
+def run(
+    argv: list[str], *, cwd: str | os.PathLike, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """Like subprocess.run(argv, capture_output=True, text=True, ...)."""
+    process = start(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+# --- the zygote's side ------------------------------------------------------------------
+
+
+def serve(preload: str, requests: socket.socket) -> dict | None:
+    """Fork a child per request and report its pid and end. Returns only in a child, with its request."""
+    import importlib
+
+    for name in XLA_PRELOAD if preload == "xla" else NATIVE_PRELOAD:
+        importlib.import_module(name)
+    # The children inherit these objects as the permanent generation: their
+    # collections do not walk (and write to) the pages they share with the
+    # zygote, as the DataLoader workers' fork server does for its forks.
+    gc.freeze()
+    wakeup_read, wakeup_write = os.pipe()
+    os.set_blocking(wakeup_write, False)
+    signal.set_wakeup_fd(wakeup_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    try:
+        while True:
+            ready, _, _ = select.select([requests, wakeup_read], [], [])
+            if wakeup_read in ready:
+                os.read(wakeup_read, 512)
+                for pid in list(children):
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        children.discard(pid)
+                        reply = {"ended": pid, "returncode": os.waitstatus_to_exitcode(status)}
+                        requests.send(json.dumps(reply).encode())
+            if requests in ready:
+                message, fds, _, _ = socket.recv_fds(requests, 1 << 20, 3)
+                if not message:
+                    return None  # the tests are done
+                request = json.loads(message)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    children.clear()  # the zygote's, not this child's to stop
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for fd in (wakeup_read, wakeup_write):
+                        os.close(fd)
+                    requests.close()
+                    for target, fd in enumerate(fds):
+                        os.dup2(fd, target)
+                    for fd in set(fds):
+                        if fd > 2:
+                            os.close(fd)
+                    return request
+                for fd in fds:
+                    os.close(fd)
+                children.add(pid)
+                requests.send(json.dumps({"pid": pid}).encode())
+    finally:
+        for pid in children:  # only in the zygote: runs its tests left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def become(request: dict) -> None:
+    """In the forked child: become `python train.py ARGS` and run it as the main module."""
+    if request["new_session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = str(Path(request["argv"][0]).resolve())
+    sys.argv = [request["argv"][0], *request["argv"][1:]]
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    preload, fd = sys.argv[1], int(sys.argv[2])
+    requests = socket.socket(fileno=fd)
+    before = dict(os.environ)
+    request = serve(preload, requests)
+    if request is None:
+        return
+    # What the imports set in the environment, unless the run sets it itself.
+    for key, value in os.environ.items():
+        if before.get(key) != value and request["env"].get(key) == before.get(key):
+            request["env"][key] = value
+    become(request)
+
+
+if __name__ == "__main__":
+    main()
