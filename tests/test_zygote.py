@@ -32,13 +32,21 @@ sys.exit(int(sys.argv[1]))
 
 
 @pytest.fixture
+def forking(monkeypatch) -> None:
+    """Forks even when the suite runs with TPUSTREAM_TEST_FRESH_PROCESSES=1."""
+    monkeypatch.delenv(zygote.FRESH_PROCESSES, raising=False)
+
+
+@pytest.fixture
 def script(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text(SCRIPT)
     return str(path)
 
 
-def test_a_forked_run_is_the_script_run_as_main_in_a_process_of_its_own(script, tmp_path, monkeypatch):
+def test_a_forked_run_is_the_script_run_as_main_in_a_process_of_its_own(
+    forking, script, tmp_path, monkeypatch
+):
     monkeypatch.setenv("ZYGOTE_TEST_UNSET", "the zygote's")  # in the zygote's environment, not the run's
     zygote.ZYGOTES.get("native", dict(os.environ), str(REPO))
     env = {k: v for k, v in os.environ.items() if k != "ZYGOTE_TEST_UNSET"}
@@ -58,7 +66,7 @@ def test_a_forked_run_is_the_script_run_as_main_in_a_process_of_its_own(script, 
     assert done.stderr == "to stderr\n"
 
 
-def test_signals_sessions_and_merged_output_are_popens(script, tmp_path):
+def test_signals_sessions_and_merged_output_are_popens(forking, script, tmp_path):
     process = zygote.start(
         [sys.executable, script, "0", NATIVE],
         cwd=tmp_path,
@@ -84,7 +92,7 @@ def test_fresh_processes_when_asked(script, tmp_path):
 
 def test_zygotes_are_per_import_time_environment():
     base = {"HOME": "/root", "PJRT_DEVICE": "CPU", "XLA_FLAGS": "--a"}
-    assert zygote.import_time_environment(base) == zygote.import_time_environment({**base, "HOME": "/x"})
-    assert zygote.import_time_environment(base) != zygote.import_time_environment({**base, "XLA_FLAGS": "--b"})
+    key = zygote.import_time_environment
+    assert key(base) == key({**base, "HOME": "/x"}) and key(base) != key({**base, "XLA_FLAGS": "--b"})
     assert zygote.preload_for(["data.root=x", "accelerator=cpu_eager"]) == "native"
     assert zygote.preload_for(["data.root=x", "accelerator=cpu_pod"]) == "xla"

@@ -260,7 +260,7 @@ ZYGOTES = Zygotes()
 
 def can_fork(argv: Sequence[str], env: dict[str, str]) -> bool:
     return (
-        env.get(FRESH_PROCESSES, os.environ.get(FRESH_PROCESSES, "")) in ("", "0")
+        env.get(FRESH_PROCESSES, "") in ("", "0")
         and len(argv) >= 2
         and argv[0] == sys.executable
         and argv[1].endswith(".py")
