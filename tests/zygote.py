@@ -125,6 +125,7 @@ class Zygote:
         self.forking = threading.Lock()  # one request and its reply at a time
         self.ends: dict[int, ZygoteChild] = {}
         self.early_ends: dict[int, int] = {}
+        self.exited = threading.Event()
         self.reader = threading.Thread(target=self.read, name="zygote-reader", daemon=True)
         self.reader.start()
 
@@ -135,7 +136,7 @@ class Zygote:
             except OSError:
                 message = b""
             if not message:
-                self.started.put({"error": "the zygote exited"})
+                self.exited.set()
                 with self.lock:
                     children = list(self.ends.values())
                 for child in children:
@@ -156,9 +157,13 @@ class Zygote:
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "new_session": new_session}).encode()
         with self.forking:
             socket.send_fds(self.requests, [request], stdio)
-            reply = self.started.get(timeout=600)  # the first waits for the zygote's imports
-        if "error" in reply:
-            raise RuntimeError(f"zygote: {reply['error']}")
+            while True:  # the first waits for the zygote's imports
+                try:
+                    reply = self.started.get(timeout=1)
+                    break
+                except queue.Empty:
+                    if self.exited.is_set():
+                        raise RuntimeError(f"the zygote exited ({self.process.wait()})") from None
         child = ZygoteChild(reply["pid"])
         with self.lock:
             if reply["pid"] in self.early_ends:
@@ -244,7 +249,7 @@ class Zygotes:
     def get(self, preload: str, env: dict[str, str], cwd: str) -> Zygote:
         key = (preload, import_time_environment(env))
         with self.lock:
-            if key not in self.zygotes:
+            if key not in self.zygotes or self.zygotes[key].exited.is_set():
                 self.zygotes[key] = Zygote(preload, env, cwd)
             return self.zygotes[key]
 
