@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from tests import zygote
-from tests.conftest import REPO
 
 # accelerator=cpu_eager: the zygote without torch_xla, the cheaper one to start.
 NATIVE = "accelerator=cpu_eager"
@@ -48,7 +47,7 @@ def test_a_forked_run_is_the_script_run_as_main_in_a_process_of_its_own(
     forking, script, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("ZYGOTE_TEST_UNSET", "the zygote's")  # in the zygote's environment, not the run's
-    zygote.ZYGOTES.get("native", dict(os.environ), str(REPO))
+    zygote.ZYGOTES.get("native", dict(os.environ))
     env = {k: v for k, v in os.environ.items() if k != "ZYGOTE_TEST_UNSET"}
     done = zygote.run(
         [sys.executable, script, "3", NATIVE], cwd=tmp_path, env={**env, "ZYGOTE_TEST": "yes"}, timeout=120

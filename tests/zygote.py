@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 FRESH_PROCESSES = "TPUSTREAM_TEST_FRESH_PROCESSES"
+REPO = Path(__file__).resolve().parent.parent
 
 # Read when these modules are imported (or by the libraries they load), so a
 # zygote's children must have the values the zygote imported with.
@@ -109,7 +110,7 @@ def preload_for(args: Sequence[str]) -> str:
 class Zygote:
     """One zygote process: a socket to ask for forks, a thread that reads their starts and ends."""
 
-    def __init__(self, preload: str, env: dict[str, str], cwd: str):
+    def __init__(self, preload: str, env: dict[str, str]):
         self.requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", preload, str(theirs.fileno())],
@@ -117,7 +118,7 @@ class Zygote:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             env=env,
-            cwd=cwd,
+            cwd=REPO,  # where `tests` is a package, whatever the runs' folders
         )
         theirs.close()
         self.started: queue.Queue[dict] = queue.Queue()
@@ -246,11 +247,11 @@ class Zygotes:
         self.zygotes: dict[tuple, Zygote] = {}
         atexit.register(self.close)
 
-    def get(self, preload: str, env: dict[str, str], cwd: str) -> Zygote:
+    def get(self, preload: str, env: dict[str, str]) -> Zygote:
         key = (preload, import_time_environment(env))
         with self.lock:
             if key not in self.zygotes or self.zygotes[key].exited.is_set():
-                self.zygotes[key] = Zygote(preload, env, cwd)
+                self.zygotes[key] = Zygote(preload, env)
             return self.zygotes[key]
 
     def close(self) -> None:
@@ -297,7 +298,7 @@ def start(
             text=True,
             start_new_session=start_new_session,
         )
-    zygote = ZYGOTES.get(preload_for(argv[2:]), env, str(cwd))
+    zygote = ZYGOTES.get(preload_for(argv[2:]), env)
     mine: dict[str, int] = {}
     theirs = [os.open(os.devnull, os.O_RDONLY), 1, 2]
     opened = [theirs[0]]
