@@ -90,8 +90,13 @@ def test_fresh_processes_when_asked(script, tmp_path):
 
 
 def test_zygotes_are_per_import_time_environment():
-    base = {"HOME": "/root", "PJRT_DEVICE": "CPU", "XLA_FLAGS": "--a"}
-    key = zygote.import_time_environment
-    assert key(base) == key({**base, "HOME": "/x"}) and key(base) != key({**base, "XLA_FLAGS": "--b"})
+    before = {"HOME": "/root", "XLA_FLAGS": "--a", "CPU_NUM_DEVICES": "1"}
+    after = {**before, "XLA_FLAGS": "--a --b=false", "PJRT_DEVICE": "CPU"}  # what the imports set
+    assert zygote.same_imports(before, before, after)
+    assert zygote.same_imports(after, before, after)  # an environment the imports left in pytest's process
+    assert zygote.same_imports({**before, "HOME": "/x", "CPU_NUM_DEVICES": "4"}, before, after)  # read later
+    assert not zygote.same_imports({**before, "XLA_FLAGS": "--c"}, before, after)
+    assert not zygote.same_imports({**before, "PJRT_DEVICE": "TPU"}, before, after)
+    assert not zygote.same_imports({**before, "PYTHONPATH": "/elsewhere"}, before, after)
     assert zygote.preload_for(["data.root=x", "accelerator=cpu_eager"]) == "native"
     assert zygote.preload_for(["data.root=x", "accelerator=cpu_pod"]) == "xla"

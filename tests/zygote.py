@@ -12,8 +12,9 @@ normal interpreter exit (thread joins, exit handlers, flushes, finalization).
 
 What a fork cannot reproduce falls back to a fresh interpreter:
 - an environment that differs from the zygote's in a variable read at import
-  (`IMPORT_TIME_VARIABLES`: PJRT, XLA, torch, Python, threading libraries):
-  each such environment gets a zygote of its own, started with it;
+  (`IMPORT_TIME_VARIABLES`: PJRT, XLA, torch, Python, threading libraries),
+  other than by a value the imports set themselves: each such environment
+  gets a zygote of its own, started with it;
 - a command that is not `python SCRIPT.py ARGS` (no interpreter options);
 - TPUSTREAM_TEST_FRESH_PROCESSES=1, for the whole suite.
 
@@ -48,7 +49,9 @@ FRESH_PROCESSES = "TPUSTREAM_TEST_FRESH_PROCESSES"
 REPO = Path(__file__).resolve().parent.parent
 
 # Read when these modules are imported (or by the libraries they load), so a
-# zygote's children must have the values the zygote imported with.
+# zygote's children must have the values the zygote imported with. Not here:
+# what is read only when the runtime starts (CPU_NUM_DEVICES, by PJRT's client),
+# and TORCHINDUCTOR_CACHE_DIR, which torch sets itself on first use.
 IMPORT_TIME_VARIABLES = (
     "PYTHON",
     "LD_",
@@ -58,7 +61,6 @@ IMPORT_TIME_VARIABLES = (
     "PT_",
     "TORCH",
     "TF_",
-    "CPU_NUM_DEVICES",
     "OMP_",
     "MKL_",
     "KMP_",
@@ -71,6 +73,7 @@ IMPORT_TIME_VARIABLES = (
     "JAX",
     "HYDRA",
 )
+RUNTIME_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR",)
 
 # The modules that train.py and its in-process replica import; each run that
 # starts from the zygote finds them imported.
@@ -96,8 +99,23 @@ XLA_PRELOAD = (
 NATIVE_ACCELERATORS = ("accelerator=cpu_eager", "accelerator=cuda")
 
 
-def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_VARIABLES)))
+def import_time_environment(env: dict[str, str]) -> dict[str, str]:
+    return {
+        k: v for k, v in env.items() if k.startswith(IMPORT_TIME_VARIABLES) and k not in RUNTIME_VARIABLES
+    }
+
+
+def same_imports(env: dict[str, str], before: dict[str, str], after: dict[str, str]) -> bool:
+    """Whether a fresh process with `env` would import as a zygote started with `before` did.
+
+    The imports set some variables themselves (`after`): torch_xla sets
+    defaults (TF_CPP_MIN_LOG_LEVEL, PJRT_DEVICE) and adds its own to XLA_FLAGS
+    only where they are missing, so a value they would have set imports the
+    same way as the value they set it from. Tests that import torch_xla in
+    pytest's process leave such values in its environment.
+    """
+    env, before, after = (import_time_environment(e) for e in (env, before, after))
+    return all(env.get(k) in (before.get(k), after.get(k)) for k in {*env, *before, *after})
 
 
 def preload_for(args: Sequence[str]) -> str:
@@ -111,6 +129,8 @@ class Zygote:
     """One zygote process: a socket to ask for forks, a thread that reads their starts and ends."""
 
     def __init__(self, preload: str, env: dict[str, str]):
+        self.preload, self.before, self.after = preload, env, None
+        self.ready = threading.Event()
         self.requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", preload, str(theirs.fileno())],
@@ -133,18 +153,22 @@ class Zygote:
     def read(self) -> None:
         while True:
             try:
-                message = self.requests.recv(4096)
+                message = self.requests.recv(1 << 20)
             except OSError:
                 message = b""
             if not message:
                 self.exited.set()
+                self.ready.set()
                 with self.lock:
                     children = list(self.ends.values())
                 for child in children:
                     child.ended(-signal.SIGKILL)
                 return
             reply = json.loads(message)
-            if "ended" in reply:
+            if "imported" in reply:
+                self.after = reply["imported"]
+                self.ready.set()
+            elif "ended" in reply:
                 with self.lock:
                     child = self.ends.pop(reply["ended"], None)
                     if child is None:  # it ended before its start was read
@@ -153,6 +177,13 @@ class Zygote:
                 child.ended(reply["returncode"])
             else:
                 self.started.put(reply)
+
+    def imports_as(self, preload: str, env: dict[str, str]) -> bool:
+        """Whether a fresh process with `env` would have imported what this zygote did, in the same way."""
+        if preload != self.preload:
+            return False
+        self.ready.wait()
+        return not self.exited.is_set() and same_imports(env, self.before, self.after)
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], new_session: bool):
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "new_session": new_session}).encode()
@@ -244,19 +275,21 @@ class Zygotes:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.zygotes: dict[tuple, Zygote] = {}
+        self.zygotes: list[Zygote] = []
         atexit.register(self.close)
 
     def get(self, preload: str, env: dict[str, str]) -> Zygote:
-        key = (preload, import_time_environment(env))
         with self.lock:
-            if key not in self.zygotes or self.zygotes[key].exited.is_set():
-                self.zygotes[key] = Zygote(preload, env)
-            return self.zygotes[key]
+            self.zygotes = [zygote for zygote in self.zygotes if not zygote.exited.is_set()]
+            for zygote in self.zygotes:
+                if zygote.imports_as(preload, env):
+                    return zygote
+            self.zygotes.append(Zygote(preload, env))
+            return self.zygotes[-1]
 
     def close(self) -> None:
         with self.lock:
-            zygotes, self.zygotes = list(self.zygotes.values()), {}
+            zygotes, self.zygotes = self.zygotes, []
         for zygote in zygotes:
             zygote.close()
 
@@ -347,6 +380,7 @@ def serve(preload: str, requests: socket.socket) -> dict | None:
 
     for name in XLA_PRELOAD if preload == "xla" else NATIVE_PRELOAD:
         importlib.import_module(name)
+    requests.send(json.dumps({"imported": dict(os.environ)}).encode())
     # The children inherit these objects as the permanent generation: their
     # collections do not walk (and write to) the pages they share with the
     # zygote, as the DataLoader workers' fork server does for its forks.
