@@ -10,20 +10,25 @@ then does what `python train.py ARGS` does: its own pid, session or process
 group, cwd, environment, argv and stdio, train.py run as __main__, and a
 normal interpreter exit (thread joins, exit handlers, flushes, finalization).
 
-What a fork cannot reproduce falls back to a fresh interpreter:
-- an environment that differs from the zygote's in a variable read at import
-  (`IMPORT_TIME_VARIABLES`: PJRT, XLA, torch, Python, threading libraries),
-  other than by a value the imports set themselves: each such environment
-  gets a zygote of its own, started with it;
-- a command that is not `python SCRIPT.py ARGS` (no interpreter options);
-- TPUSTREAM_TEST_FRESH_PROCESSES=1, for the whole suite.
+A zygote is started per preload (a zygote imports nothing of torch_xla when
+the run is on the native path, accelerator=cpu_eager or cuda, which must work
+without torch_xla) and per environment that imports differently: one that
+differs in a variable read at import (`IMPORT_TIME_VARIABLES`: PJRT, XLA,
+torch, Python, threading libraries) other than by a value the imports set
+themselves. Those values (torch_xla's defaults such as TF_CPP_MIN_LOG_LEVEL)
+are set in a run's environment too, unless it gives them its own, as they
+would be in a fresh process.
 
-Variables that the imports themselves set (torch_xla sets defaults such as
-TF_CPP_MIN_LOG_LEVEL) are set in the run's environment too, unless the run
-gives them a value of its own, as they would be in a fresh process.
+Fresh interpreters instead, as before: for a command that is not
+`python SCRIPT.py ARGS` (no interpreter options), for a test that needs one
+(one whose subject is a stop during the imports), and for the whole suite
+with TPUSTREAM_TEST_FRESH_PROCESSES=1.
 
-A zygote imports nothing of torch_xla when the run is on the native path
-(accelerator=cpu_eager or cuda), which must work without torch_xla.
+What differs from a fresh process, knowingly: the imports are done before the
+script's first line (so train.py installs its stop handlers after them, not
+before); their objects are in the permanent generation (gc.freeze, as the
+DataLoader workers' fork server does for its forks); and /proc/PID/cmdline
+names tests.zygote, not train.py (the tests that read it start their own).
 """
 
 from __future__ import annotations
