@@ -1,4 +1,4 @@
-"""tests/zygote.py: a run forked from the zygote is what `python SCRIPT ARGS` would have been."""
+"""tests/zygote.py and zygote_server.py: a forked run is what `python SCRIPT ARGS` would have been."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Start the tests' train.py runs from a process that has already imported torch and torch_xla.
 
+This module is the test process's side; tests/zygote_server.py is the zygote's.
+
 Every XLA training test runs train.py in a process of its own, as it must
 (XLA tests must not share a process with eager backward, and each run is a
 real `python train.py`). On this project's 2-core machines a small run is
@@ -28,19 +30,16 @@ What differs from a fresh process, knowingly: the imports are done before the
 script's first line (so train.py installs its stop handlers after them, not
 before); their objects are in the permanent generation (gc.freeze, as the
 DataLoader workers' fork server does for its forks); and /proc/PID/cmdline
-names tests.zygote, not train.py (the tests that read it start their own).
+names tests.zygote_server, not train.py (the tests that read it start their own).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import json
 import os
 import queue
-import runpy
-import select
 import signal
 import socket
 import subprocess
@@ -80,27 +79,6 @@ IMPORT_TIME_VARIABLES = (
 )
 RUNTIME_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR",)
 
-# The modules that train.py and its in-process replica import; each run that
-# starts from the zygote finds them imported.
-NATIVE_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.utils.data",
-    "torchvision",
-    "hydra",
-    "omegaconf",
-    "tpustream.launch",
-    "tpustream.launch.replica",
-)
-XLA_PRELOAD = (
-    *NATIVE_PRELOAD,
-    "torch_xla",
-    "torch_xla.core.xla_model",
-    "torch_xla.runtime",
-    "torch_xla.distributed.parallel_loader",
-    "torch_xla.distributed.xla_multiprocessing",
-    "torch_xla.debug.metrics",
-)
 NATIVE_ACCELERATORS = ("accelerator=cpu_eager", "accelerator=cuda")
 
 
@@ -127,9 +105,6 @@ def preload_for(args: Sequence[str]) -> str:
     return "native" if any(arg in NATIVE_ACCELERATORS for arg in args) else "xla"
 
 
-# --- the test's side -------------------------------------------------------------------
-
-
 class Zygote:
     """One zygote process: a socket to ask for forks, a thread that reads their starts and ends."""
 
@@ -138,7 +113,7 @@ class Zygote:
         self.ready = threading.Event()
         self.requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", preload, str(theirs.fileno())],
+            [sys.executable, "-m", "tests.zygote_server", preload, str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -374,95 +349,3 @@ def run(
         process.wait()
         raise
     return subprocess.CompletedProcess(argv, process.returncode, out, err)
-
-
-# --- the zygote's side ------------------------------------------------------------------
-
-
-def serve(preload: str, requests: socket.socket) -> dict | None:
-    """Fork a child per request and report its pid and end. Returns only in a child, with its request."""
-    import importlib
-
-    for name in XLA_PRELOAD if preload == "xla" else NATIVE_PRELOAD:
-        importlib.import_module(name)
-    requests.send(json.dumps({"imported": dict(os.environ)}).encode())
-    # The children inherit these objects as the permanent generation: their
-    # collections do not walk (and write to) the pages they share with the
-    # zygote, as the DataLoader workers' fork server does for its forks.
-    gc.freeze()
-    wakeup_read, wakeup_write = os.pipe()
-    os.set_blocking(wakeup_write, False)
-    signal.set_wakeup_fd(wakeup_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set[int] = set()
-    try:
-        while True:
-            ready, _, _ = select.select([requests, wakeup_read], [], [])
-            if wakeup_read in ready:
-                os.read(wakeup_read, 512)
-                for pid in list(children):
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        children.discard(pid)
-                        reply = {"ended": pid, "returncode": os.waitstatus_to_exitcode(status)}
-                        requests.send(json.dumps(reply).encode())
-            if requests in ready:
-                message, fds, _, _ = socket.recv_fds(requests, 1 << 20, 3)
-                if not message:
-                    return None  # the tests are done
-                request = json.loads(message)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    children.clear()  # the zygote's, not this child's to stop
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for fd in (wakeup_read, wakeup_write):
-                        os.close(fd)
-                    requests.close()
-                    for target, fd in enumerate(fds):
-                        os.dup2(fd, target)
-                    for fd in set(fds):
-                        if fd > 2:
-                            os.close(fd)
-                    return request
-                for fd in fds:
-                    os.close(fd)
-                children.add(pid)
-                requests.send(json.dumps({"pid": pid}).encode())
-    finally:
-        for pid in children:  # only in the zygote: runs its tests left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def become(request: dict) -> None:
-    """In the forked child: become `python train.py ARGS` and run it as the main module."""
-    if request["new_session"]:
-        os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    script = str(Path(request["argv"][0]).resolve())
-    sys.argv = [request["argv"][0], *request["argv"][1:]]
-    sys.path[0] = os.path.dirname(script)
-    runpy.run_path(script, run_name="__main__")
-
-
-def main() -> None:
-    preload, fd = sys.argv[1], int(sys.argv[2])
-    requests = socket.socket(fileno=fd)
-    before = dict(os.environ)
-    request = serve(preload, requests)
-    if request is None:
-        return
-    # What the imports set in the environment, unless the run sets it itself.
-    for key, value in os.environ.items():
-        if before.get(key) != value and request["env"].get(key) == before.get(key):
-            request["env"][key] = value
-    become(request)
-
-
-if __name__ == "__main__":
-    main()
