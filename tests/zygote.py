@@ -251,7 +251,7 @@ class ZygoteChild:
 
 
 class Zygotes:
-    """This test process's zygotes, one per preload and import-time environment, started on first use."""
+    """This test process's zygotes, one per preload and way of importing (same_imports), made on first use."""
 
     def __init__(self):
         self.lock = threading.Lock()
