@@ -144,6 +144,47 @@ def test_a_model_is_built_and_run_on_the_meta_device_before_spawning():
     check_model_builds("small_cnn", {"width": 8}, num_classes=10, input_size=(24, 32), channels=1)
 
 
+@pytest.mark.parametrize(
+    "library, name, option, data_key",
+    [
+        ("torchvision", "resnet18", "num_classes", "data.num_classes"),
+        ("timm", "resnet18", "num_classes", "data.num_classes"),
+        ("timm", "resnet18", "in_chans", "data.channels"),
+        ("tpustream", "small_cnn", "channels", "data.channels"),
+        ("tpustream", "small_cnn", "image_size", "data.image_size"),
+    ],
+)
+def test_options_tpustream_sets_from_the_data_name_the_data_key(library, name, option, data_key):
+    """Issue 33 (8): not "create_model() got multiple values for keyword argument 'num_classes'"."""
+    from tpustream.models import check_model_builds
+
+    message = (
+        rf"^model.options.{option}: tpustream gives the model its {option} from the data; set {data_key}"
+    )
+    with pytest.raises(ConfigError, match=message):
+        check_model_options(name, {option: 1}, library)
+    with pytest.raises(ConfigError, match=message):
+        check_model_builds(
+            name, {option: 1}, num_classes=10, input_size=(32, 32), channels=3, library=library
+        )
+
+
+def test_the_timm_input_size_hint_only_follows_a_forward_pass_of_a_model_taking_img_size():
+    """Issue 33 (8): a constructor's refusal is about its options, not about img_size."""
+    from tpustream.models import check_model_builds
+
+    with pytest.raises(ConfigError) as refused:
+        check_model_builds(
+            "resnet18", {"bogus": 3}, num_classes=10, input_size=(32, 32), channels=3, library="timm"
+        )
+    assert "unexpected keyword argument 'bogus'" in str(refused.value)
+    assert "img_size" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"doesn't match model \(224\); timm models .* made for 224x224$"):
+        check_model_builds(
+            "deit_tiny_patch16_224", {}, num_classes=10, input_size=(32, 32), channels=3, library="timm"
+        )
+
+
 @pytest.mark.slow
 def test_a_torchvision_model_trains_on_xla_and_compiles_once(digits_root, tmp_path):
     """One train and one eval graph, compiled in epoch 0 and never again (a pod's steps stay fast).

@@ -33,6 +33,31 @@ def model_names() -> list[str]:
 # Where model.name is looked up, besides the built-in families registered here.
 LIBRARIES = ("tpustream", "timm", "torchvision")
 
+# The constructor arguments tpustream passes itself, from the data, per library,
+# and the data.* key that sets each. The same name in model.options would be
+# given twice ("got multiple values for keyword argument"), an internal
+# message that does not say where the value comes from.
+RESERVED_OPTIONS = {
+    "tpustream": {
+        "num_classes": "data.num_classes",
+        "image_size": "data.image_size",
+        "channels": "data.channels",
+    },
+    "timm": {"num_classes": "data.num_classes", "in_chans": "data.channels"},
+    "torchvision": {"num_classes": "data.num_classes"},
+}
+
+
+def check_reserved_options(options: dict, library: str = "tpustream") -> None:
+    """ConfigError naming the data.* key to use when model.options sets what tpustream takes from the data."""
+    reserved = RESERVED_OPTIONS.get(library, {})
+    for option in options:
+        if option in reserved:
+            raise ConfigError(
+                f"model.options.{option}: tpustream gives the model its {option} from the data; "
+                f"set {reserved[option]} instead"
+            )
+
 
 def check_model_options(name: str, options: dict, library: str = "tpustream") -> None:
     """Fail before spawning if the name is unknown or a built-in family does not take the options.
@@ -41,6 +66,7 @@ def check_model_options(name: str, options: dict, library: str = "tpustream") ->
     layers, so their options are checked by building the model
     (check_model_builds) instead of by signature.
     """
+    check_reserved_options(options, library)
     if library == "timm":
         from tpustream.models.from_timm import check_timm_name
 
@@ -87,8 +113,10 @@ def check_model_builds(
     height, width = input_size
     library = getattr(library, "value", library)  # config.ModelLibrary: its value in messages
     where = f"model={library} {name}" if library != "tpustream" else f"model={name}"
-    try:
-        with torch.device("meta"):
+    shapes = f"{where} with model.options {options} on {channels}x{height}x{width} images"
+    check_reserved_options(options, library)
+    with torch.device("meta"):
+        try:
             model = create_model(
                 name,
                 num_classes=num_classes,
@@ -97,20 +125,16 @@ def check_model_builds(
                 library=library,
                 **options,
             )
+        except ConfigError:
+            raise
+        except Exception as exc:  # the constructor refused an option: its own words
+            raise ConfigError(f"{shapes}: {describe_exception(exc)}") from None
+        try:
             out = model(torch.empty(2, channels, height, width))
-    except ConfigError:
-        raise
-    except Exception as exc:  # the library's own error: name it with the options and shapes
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        hint = (
-            "; timm models made for another input size take model.options.img_size (and patch_size)"
-            if library == "timm" and "img_size" not in options
-            else ""
-        )
-        raise ConfigError(
-            f"{where} with model.options {options} on {channels}x{height}x{width} images: "
-            f"{exc.__class__.__name__}: {message}{hint}"
-        ) from None
+        except Exception as exc:  # built, but not for this input: name what sets the input size
+            raise ConfigError(
+                f"{shapes}: {describe_exception(exc)}{input_size_hint(model, library, options)}"
+            ) from None
     if layer_groups and not hasattr(model, "group_matcher"):
         raise ConfigError(
             f"optim.layer_decay needs a model with layer groups (timm's group_matcher), and {where} has "
@@ -121,6 +145,30 @@ def check_model_builds(
             f"{where} gives outputs of shape {tuple(out.shape)[1:]} per image, not the {num_classes} class "
             "scores a classifier gives"
         )
+
+
+def describe_exception(exc: Exception) -> str:
+    """A library's exception as its class and first line."""
+    if not str(exc).strip():
+        return exc.__class__.__name__
+    # timm's assertions end in a full stop; the message goes on after it.
+    return f"{exc.__class__.__name__}: {str(exc).strip().splitlines()[0].rstrip('.')}"
+
+
+def input_size_hint(model: nn.Module, library: str, options: dict) -> str:
+    """What a timm model that fails on this input size takes instead ('' where nothing can be said).
+
+    Only for a forward pass that failed, of a model whose constructor takes
+    img_size: a constructor's refusal is about its options, and a CNN has no
+    img_size to set, so naming it there points the wrong way.
+    """
+    if library != "timm" or "img_size" in options:
+        return ""
+    if "img_size" not in inspect.signature(type(model).__init__).parameters:
+        return ""
+    made_for = (getattr(model, "pretrained_cfg", None) or {}).get("input_size")
+    size = f"; this one is made for {made_for[-2]}x{made_for[-1]}" if made_for else ""
+    return f"; timm models made for another input size take model.options.img_size (and patch_size){size}"
 
 
 def create_model(
