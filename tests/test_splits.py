@@ -210,6 +210,50 @@ def test_wrong_label_and_image_keys_fail_at_load_naming_key_sample_and_fields(wr
     )
 
 
+def with_bad_start(samples: list, bad: int, fields: dict[str, bytes]) -> list:
+    """The samples with the first `bad` of them holding only `fields` (and their label)."""
+    return [(k, {**fields, "cls": f["cls"]} if i < bad else f) for i, (k, f) in enumerate(samples)]
+
+
+def test_bad_samples_at_the_start_are_bad_data_not_a_wrong_key(write_split, tmp_path):
+    """Issue 33 (6): three bad samples first are skipped and counted, not "image_key reads no image"."""
+    options = SplitOptions(label_key="cls", progress=False)
+    undecodable = with_bad_start(numbered_samples(0, 10), 3, {"png": b"not a png"})
+    assert load_split(write_split("train", [undecodable]), "train", options).num_samples == 10
+    imageless = with_bad_start(numbered_samples(0, 10), 3, {})
+    assert load_split(write_split("imageless", [imageless]), "train", options).num_samples == 10
+    # A first shard of bad samples only: the next shard has good ones.
+    folder = write_split("shards", [undecodable[:3], numbered_samples(3, 4)])
+    assert load_split(folder, "train", options).num_samples == 7
+    # No manifest: the image size comes from the first sample that has one.
+    storage.write_bytes(
+        str(tmp_path / "bare" / "bare-000000.tar"),
+        write_tar(
+            (f"{k}.{e}", d) for k, f in with_bad_start(numbered_samples(0, 9), 6, {}) for e, d in f.items()
+        ),
+    )
+    bare = load_split(
+        str(tmp_path / "bare"), "train", SplitOptions(num_classes=10, label_key="cls", progress=False)
+    )
+    assert bare.image_size == (8, 8)
+
+
+def test_a_key_is_blamed_only_when_no_first_sample_has_its_field(write_split):
+    options = SplitOptions(label_key="cls", progress=False)
+    imageless = with_bad_start(numbered_samples(0, 5), 5, {"txt": b"a caption"})
+    with pytest.raises(ConfigError, match=r"data.image_key \(unset\) reads no image from sample 000000"):
+        load_split(write_split("imageless", [imageless]), "train", options)
+    # The field is there in some and decodes in none: the data is at fault, and the error says which sample.
+    broken = with_bad_start(imageless, 2, {"png": b"not a png"})
+    folder = write_split("broken", [broken])
+    with pytest.raises(ConfigError) as refused:
+        load_split(folder, "train", options)
+    assert str(refused.value).startswith(
+        f"{folder}: none of the first 5 samples gives an image and a label as training reads them; "
+        f"the first: png in sample 000000 of {folder}/broken-000000.tar: cannot decode png: "
+    )
+
+
 def test_raw_pixels_with_random_resized_crops_fail_at_load(write_split):
     raw = [(f"{i:06d}", {"raw": bytes(3 * 8 * 8), "cls": b"1"}) for i in range(3)]
     folder = write_split("train", [raw], image_format="raw")

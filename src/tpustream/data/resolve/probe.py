@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from tpustream import storage
 from tpustream.data.format.decode import (
@@ -100,15 +101,28 @@ def describe_images(
     )
 
 
+# Samples read, at most, to find one that training can use. Bad samples are
+# counted and skipped in training (data.max_bad_fraction), so a few at the
+# start must not stop a run; a key is blamed only when no sample of this many
+# has its field. 64 is far past any plausible run of bad data at a split's
+# start, and costs milliseconds: the samples are read only until one works.
+PROBED_SAMPLES = 64
+
+
 def _first_image_shape(
     shards: list[ShardInfo], image_key: str | None, name: str
 ) -> tuple[tuple[int, int], str]:
-    """(height, width) and image field of the first sample that decodes, from the first non-empty shards."""
+    """(height, width) and image field of the first sample that decodes, from the first non-empty shards.
+
+    At most PROBED_SAMPLES samples, and three shards: a shard that cannot be
+    read is not a reason to read the whole split.
+    """
     reasons = []
     for shard in [s for s in shards if s.samples > 0][:3]:
         try:
             with storage.open_read(shard.url) as raw, open_tar_stream(raw, shard.url) as stream:
-                for sample in iter_shard_samples(stream, shard.url, 0, 5):
+                left = PROBED_SAMPLES - len(reasons)
+                for sample in iter_shard_samples(stream, shard.url, 0, min(left, shard.samples)):
                     try:
                         shape = read_image_shape(sample, image_key)
                     except SampleError as exc:
@@ -118,7 +132,11 @@ def _first_image_shape(
                     return shape, next((k for k in keys if k in sample), "")
         except (StorageError, ShardFormatError) as exc:
             reasons.append(str(exc))
-    first_reason = reasons[0] if reasons else "no samples"
+        if len(reasons) >= PROBED_SAMPLES:
+            break
+    # A field that is there but does not decode is bad data, and says more than a missing one.
+    found = [r for r in reasons if "no image field" not in r]
+    first_reason = (found or reasons or ["no samples"])[0]
     raise ConfigError(
         f"{name}: cannot learn the image size from the first samples ({first_reason}){_advice(first_reason)}"
     )
@@ -138,14 +156,21 @@ def _advice(reason: str) -> str:
     return "; check data.image_key, or set data.image_size"
 
 
-# Samples read to check the fields. A first sample that fails alone is bad
-# data (training skips and counts it); all of them failing is the config.
-_CHECKED_SAMPLES = 3
+class SampleProblem(NamedTuple):
+    """Why training could not use a sample; missing_field: the configured key found no field in it."""
+
+    reason: str
+    missing_field: bool
 
 
 def check_first_samples(manifest: ShardManifest, options: SplitOptions, name: str) -> None:
-    """ConfigError unless one of the first samples gives an image and a label as training reads them."""
-    shard = next(s for s in manifest.shards if s.samples > 0)
+    """ConfigError unless one of the first samples gives an image and a label as training reads them.
+
+    Samples are read, from the first non-empty shards on, until one works (at
+    most PROBED_SAMPLES). Those before it are bad data, which training skips
+    and counts. If none works, the error blames a key only when no sample read
+    had its field; otherwise it names the first sample's problem as bad data.
+    """
     # Varying sizes without cropping never train (launch.checks.check_data
     # says so); the stand-in size only lets the label be read here.
     height, width = manifest.image_size or (1, 1)
@@ -158,50 +183,69 @@ def check_first_samples(manifest: ShardManifest, options: SplitOptions, name: st
         options.label_key,
         fast=False,
     )
-    first_error = None
-    try:
-        with storage.open_read(shard.url) as raw, open_tar_stream(raw, shard.url) as stream:
-            for sample in iter_shard_samples(stream, shard.url, 0, _CHECKED_SAMPLES):
-                where = f"sample {sample['__key__']} of {shard.url}"
-                error = _sample_error(sample, where, decoder, manifest, options)
-                if error is None:
-                    return
-                first_error = first_error or error
-    except (StorageError, ShardFormatError) as exc:
-        # Training reads the shard again and handles this under data.on_error.
-        log.warning("%s: cannot read a first sample to check the image and label keys (%s)", name, exc)
+    problems: list[SampleProblem] = []
+    for shard in [s for s in manifest.shards if s.samples > 0]:
+        try:
+            with storage.open_read(shard.url) as raw, open_tar_stream(raw, shard.url) as stream:
+                left = PROBED_SAMPLES - len(problems)
+                for sample in iter_shard_samples(stream, shard.url, 0, min(left, shard.samples)):
+                    where = f"sample {sample['__key__']} of {shard.url}"
+                    problem = _sample_problem(sample, where, decoder, manifest, options)
+                    if problem is None:
+                        return
+                    problems.append(problem)
+        except (StorageError, ShardFormatError) as exc:
+            # Training reads the shard again and handles this under data.on_error.
+            log.warning("%s: cannot read a first sample to check the image and label keys (%s)", name, exc)
+            return
+        if len(problems) >= PROBED_SAMPLES:
+            break
+    if not problems:
         return
-    if first_error is not None:
-        raise ConfigError(f"{name}: {first_error}")
+    bad_data = [p for p in problems if not p.missing_field]
+    if not bad_data:
+        raise ConfigError(f"{name}: {problems[0].reason}")
+    raise ConfigError(
+        f"{name}: none of the first {len(problems)} samples gives an image and a label as training reads "
+        f"them; the first: {bad_data[0].reason}"
+    )
 
 
-def _sample_error(
+def _sample_problem(
     sample: Mapping, where: str, decoder: ImageDecoder, manifest: ShardManifest, options: SplitOptions
-) -> str | None:
+) -> SampleProblem | None:
     """Why training could not use this sample, naming the setting at fault; None if it could.
 
     A missing field's reason (SampleError's) lists the fields the sample has.
     """
+    label_key = f"data.label_key={options.label_key}"
     try:
         decoder.decode_label(sample)
     except SampleError as exc:
         if str(exc).startswith("label ") and " outside 0.." in str(exc):
             # The key works; the class count is what does not fit.
-            return (
+            return SampleProblem(
                 f"{where} has {exc} (the split's {decoder.num_classes} classes): set data.num_classes, "
-                f"or check data.label_key={options.label_key}"
+                f"or check {label_key}",
+                False,
             )
         json_fields = _json_fields(sample, options.label_key)
-        return f"data.label_key={options.label_key} reads no label from {where}: {exc}{json_fields}"
+        # No label field, or no such field in the sample's json: the key found nothing.
+        missing = str(exc).startswith("missing label")
+        return SampleProblem(f"{label_key} reads no label from {where}: {exc}{json_fields}", missing)
     image_key = f"data.image_key={options.image_key}" if options.image_key else "data.image_key (unset)"
     try:
         field_name, data = decoder.image_bytes(sample)
-        if options.crop and image_extension(field_name) == "raw":
-            return (
-                f"data.train_crop=random_resized crops encoded images (jpg, png, ...), but {field_name} in "
-                f"{where} holds raw pixels, which carry no image size to crop from: set "
-                "data.train_crop=pad_crop, or use shards of encoded images"
-            )
+    except SampleError as exc:
+        return SampleProblem(f"{image_key} reads no image from {where}: {exc}", True)
+    if options.crop and image_extension(field_name) == "raw":
+        return SampleProblem(
+            f"data.train_crop=random_resized crops encoded images (jpg, png, ...), but {field_name} in "
+            f"{where} holds raw pixels, which carry no image size to crop from: set "
+            "data.train_crop=pad_crop, or use shards of encoded images",
+            False,
+        )
+    try:
         if options.crop or manifest.image_size is None:
             # Images of any size: their header says they are images with a size,
             # which is what the crops start from.
@@ -209,7 +253,8 @@ def _sample_error(
         else:
             decoder.decode_image(field_name, data)
     except SampleError as exc:
-        return f"{image_key} reads no image from {where}: {exc}"
+        # The key found the field: this sample is bad data, not a wrong key.
+        return SampleProblem(f"{field_name} in {where}: {exc}", False)
     return None
 
 
