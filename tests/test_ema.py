@@ -18,6 +18,7 @@ from tests.fake_runtime import FakeRuntime, FakeWorld, tiny_config
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint, read_metrics
 from tpustream.config import BestOf, EmaConfig
 from tpustream.errors import ConfigError
+from tpustream.observe.best import best_record
 from tpustream.training.ema import WeightAverage
 
 
@@ -103,6 +104,8 @@ def test_best_follows_the_selected_weights(fake_job, tmp_path):
     assert (summary["best_epoch"], summary["best_accuracy"]) == (best, records[best]["ema_val_accuracy"])
     saved = load_checkpoint(checkpoint_url(run, BEST))
     assert saved["epoch"] == best
+    # Every report names best.pt's epoch by the same rule (issue 33).
+    assert best_record(records, cfg.ema.select_best)["epoch"] == best
     # The average evaluated is the average saved: its accuracy, recomputed from best.pt.
     trainer = job.master
     trainer.ema.module.load_state_dict(saved["ema"])

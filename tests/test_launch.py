@@ -421,3 +421,50 @@ def test_a_run_folder_hydra_cannot_create_is_one_line(tmp_path):
     assert result.stderr.strip() == f"error: hydra.run.dir={afile}/run: {afile} is a file, not a folder; " + (
         "choose another hydra.run.dir"
     )
+
+
+# Issue 33's run: the raw weights peak at epoch 1, their average (which best.pt follows) at epoch 2.
+EMA_HISTORY = [
+    {
+        "epoch": number,
+        "val_accuracy": raw / 359,
+        "val_correct": raw,
+        "val_samples": 359,
+        "ema_val_accuracy": ema / 359,
+        "ema_val_correct": ema,
+    }
+    for number, (raw, ema) in enumerate([(20, 10), (35, 100), (30, 231)])
+]
+
+
+def test_the_last_line_names_the_epoch_best_pt_holds_with_both_accuracies(tmp_path):
+    """Issue 33 (2): under ema.select_best=ema, the average's best epoch and figures, the raw ones beside."""
+    from tpustream.checkpoint import write_metrics
+    from tpustream.launch.plan import describe_result, read_final_metrics
+
+    out = str(tmp_path / "run")
+    write_metrics(out, EMA_HISTORY)
+    assert describe_result(read_final_metrics(out, "ema"), out) == (
+        "best validation accuracy 64.35% (231/359) at epoch 2 of the weight average, which best.pt follows "
+        f"(ema.select_best=ema); raw weights 8.36% (30/359); checkpoints in {out}"
+    )
+    assert describe_result(read_final_metrics(out, "raw"), out).startswith(
+        "best validation accuracy 9.75% (35/359) at epoch 1 of the raw weights, which best.pt follows"
+    )
+
+
+def test_a_fresh_start_names_the_earlier_runs_best_epoch_as_its_best_pt_holds_it(tmp_path):
+    """Issue 33 (2): the earlier run's own ema.select_best (config.yaml) chose its best.pt, not this run's."""
+    from tpustream.checkpoint import write_config, write_metrics
+    from tpustream.config import TrainConfig
+    from tpustream.launch.resume_checks import check_fresh_start
+
+    out = str(tmp_path / "run")
+    write_metrics(out, EMA_HISTORY)
+    write_config(out, {"ema": {"decay": 0.99, "select_best": "ema"}})
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run \(3 epoch\(s\), best validation accuracy 64.35% at epoch 2 of the weight "
+        r"average, which best.pt follows \(ema.select_best=ema\); raw weights 8.36%\) that resume=null would",
+    ):
+        check_fresh_start(TrainConfig(output_dir=out, resume=None))  # this run's ema.select_best: raw

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from tpustream.checkpoint import FORCE_RESUME, find_resume, read_metrics
-from tpustream.config import Device, ModelLibrary, TrainConfig
+from tpustream.config import BestOf, Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import CanonicalPartition, choose_partition
 from tpustream.data.resolve.options import SplitOptions
@@ -39,6 +39,7 @@ from tpustream.launch.resume_checks import (
     check_resume_fits,
 )
 from tpustream.launch.workers import resolve_auto_workers
+from tpustream.observe.best import best_record, describe_best
 from tpustream.preemption import raise_if_stop_requested
 
 log = logging.getLogger(__name__)
@@ -232,24 +233,18 @@ def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str,
     )
 
 
-def read_final_metrics(output_dir: str) -> dict[str, Any] | None:
-    """The run's history, and its best evaluated epoch (None if nothing was evaluated)."""
+def read_final_metrics(output_dir: str, select_best: BestOf | str) -> dict[str, Any] | None:
+    """The run's history, and the epoch best.pt holds by ema.select_best (None: nothing evaluated)."""
     history = read_metrics(output_dir)
     if not history:
         return None
-    evaluated = [m for m in history if "val_accuracy" in m]
-    return {
-        "history": history,
-        "best": max(evaluated, key=lambda m: m["val_accuracy"]) if evaluated else None,
-    }
+    return {"history": history, "best": best_record(history, select_best), "select_best": BestOf(select_best)}
 
 
 def describe_result(result: dict[str, Any], output_dir: str) -> str:
-    """train.py's last line: the best evaluated epoch, and where the checkpoints are."""
+    """train.py's last line: the epoch best.pt holds (and by which weights), and where the checkpoints are."""
     best = result["best"]
     if best is None:  # eval_every=0
         return f"{len(result['history'])} epoch(s), no validation; checkpoints in {output_dir}"
-    return (
-        f"best validation accuracy {100 * best['val_accuracy']:.2f}% "
-        f"({best['val_correct']}/{best['val_samples']}) at epoch {best['epoch']}; checkpoints in {output_dir}"
-    )
+    described = describe_best(best, result.get("select_best", BestOf.raw))
+    return f"best validation accuracy {described}; checkpoints in {output_dir}"

@@ -17,6 +17,7 @@ from tpustream.launch.checks import check_data, replica_batch_size
 from tpustream.launch.plan import RunPlan
 from tpustream.logs import setup_worker_logging
 from tpustream.models import create_model
+from tpustream.observe.best import best_record, describe_best
 from tpustream.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
@@ -185,11 +186,11 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         close_loaders(train_loader, val_loader)
         del profiler
     if runtime.is_master and not cfg.eval_only:
-        if summary["best_epoch"] >= 0:
+        best = best_record(summary["history"], cfg.ema.select_best)  # the epoch best.pt holds
+        if best is not None:
             log.info(
-                "finished: best validation accuracy %.2f%% at epoch %d; checkpoint %s",
-                100 * summary["best_accuracy"],
-                summary["best_epoch"],
+                "finished: best validation accuracy %s; checkpoint %s",
+                describe_best(best, cfg.ema.select_best),
                 checkpoint_url(cfg.output_dir, BEST),
             )
         else:

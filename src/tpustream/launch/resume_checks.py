@@ -20,9 +20,10 @@ from tpustream.checkpoint import (
     read_metrics,
     schema_defaults,
 )
-from tpustream.config import TrainConfig
+from tpustream.config import BestOf, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
+from tpustream.observe.best import best_record, describe_best, read_select_best
 from tpustream.training.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -31,15 +32,14 @@ log = logging.getLogger(__name__)
 MAX_SHOWN_DIFFERENCES = 8
 
 
-def describe_run(history: list[dict[str, Any]]) -> str:
-    """An earlier run in a few words, from its metrics.jsonl records."""
+def describe_run(history: list[dict[str, Any]], select_best: BestOf | str = BestOf.raw) -> str:
+    """An earlier run in a few words, from its metrics.jsonl records, its best epoch as best.pt's."""
     if not history:
         return "no finished epoch"
-    evaluated = [r for r in history if "val_accuracy" in r]
     text = f"{len(history)} epoch(s)"
-    if evaluated:
-        best = max(evaluated, key=lambda r: r["val_accuracy"])
-        text += f", best validation accuracy {100 * best['val_accuracy']:.2f}% at epoch {best['epoch']}"
+    best = best_record(history, select_best)
+    if best is not None:
+        text += f", best validation accuracy {describe_best(best, select_best, counts=False)}"
     return text
 
 
@@ -53,7 +53,8 @@ def check_fresh_start(cfg: TrainConfig) -> None:
     found = checkpoint.existing_run_files(cfg.output_dir)
     if not found:
         return
-    held = describe_run(read_metrics(cfg.output_dir))
+    # Its best.pt followed its own ema.select_best, whatever this run's is.
+    held = describe_run(read_metrics(cfg.output_dir), read_select_best(cfg.output_dir) or cfg.ema.select_best)
     if cfg.resume == OVERWRITE_RESUME:
         checkpoint.delete_run_files(cfg.output_dir)
         log.warning(

@@ -93,7 +93,7 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
     if plan.finished:
         # Nothing to train: report the run's results without starting a device.
         log.info("nothing to do: the run in %s is finished (%s)", plan.cfg.output_dir, plan.finished)
-        return read_final_metrics(plan.cfg.output_dir)
+        return read_final_metrics(plan.cfg.output_dir, plan.cfg.ema.select_best)
     configure_device_environment(plan.cfg)
     way = way_of_running(plan.cfg)
     log.info(
@@ -112,7 +112,7 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
         if plan.pretrained is not None:  # the host's copy of model.pretrained: the replicas are done
             with contextlib.suppress(FileNotFoundError):
                 os.remove(plan.pretrained[0])
-    return read_final_metrics(plan.cfg.output_dir)
+    return read_final_metrics(plan.cfg.output_dir, plan.cfg.ema.select_best)
 
 
 def _describe(cfg: TrainConfig, way: str) -> str:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from tpustream import checkpoint, preemption
 from tpustream.augment.transform import DeviceAugment
-from tpustream.config import BestOf, Precision, TrainConfig
+from tpustream.config import Precision, TrainConfig
+from tpustream.observe.best import selected_accuracy
 from tpustream.observe.timing import LoopTimer, reduce_breakdowns
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
@@ -400,19 +401,16 @@ class Trainer:
         self.bad_shards["validation"] = self.evaluator.bad_shards
         return metrics
 
-    def selected_accuracy(self, metrics: dict[str, Any]) -> float:
-        """The accuracy best.pt and early stopping follow (ema.select_best)."""
-        return metrics["ema_val_accuracy" if self.cfg.ema.select_best == BestOf.ema else "val_accuracy"]
-
     def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Record the epoch; the master writes best.pt on improvement and last.pt always."""
         check_epoch(
             epoch, metrics, self.cfg.data.max_bad_fraction, self.cfg.stop_on_nonfinite_loss, self.bad_shards
         )
-        evaluated = "val_accuracy" in metrics
-        improved = evaluated and self.selected_accuracy(metrics) > self.best_accuracy
+        # What best.pt and early stopping follow (ema.select_best), by the rule every report reads.
+        accuracy = selected_accuracy(metrics, self.cfg.ema.select_best)
+        improved = accuracy is not None and accuracy > self.best_accuracy
         if improved:
-            self.best_accuracy, self.best_epoch = self.selected_accuracy(metrics), epoch
+            self.best_accuracy, self.best_epoch = accuracy, epoch
         first_end = self._first_time("epoch end")
         record = EpochRecord(
             epoch=epoch,
