@@ -73,10 +73,51 @@ def test_a_hydra_multirun_folder_and_a_bucket_run_are_found(two_runs, tmp_path, 
     assert text.startswith(remote) and storage.exists(f"{remote}/report.png")
 
 
-def test_a_folder_without_metrics_is_one_line_and_exit_2(tmp_path, capsys):
+def test_a_folder_without_a_run_or_no_folder_at_all_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .endswith("no metrics.jsonl in it nor in the output_dir of any job folder")
+    assert capsys.readouterr().err.strip().endswith("nor in the output_dir of any job folder")
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"tpustream-report: {tmp_path / 'nowhere'} does not exist"
+
+
+def hydra_job(sweep, number: int, output_dir: str, cwd) -> str:
+    """A multirun job folder as Hydra 1.3 writes it: the job's config unresolved, Hydra's own resolved."""
+    job = sweep / str(number)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "config.yaml").write_text(f"output_dir: {output_dir}\ndata:\n  num_workers: {number}\n")
+    (job / ".hydra" / "hydra.yaml").write_text(
+        f"hydra:\n  job:\n    num: {number}\n  runtime:\n    cwd: {cwd}\n    output_dir: {job}\n"
     )
+    return str(job)
+
+
+def test_a_hydra_multirun_with_output_dir_left_to_hydra_is_found(tmp_path):
+    """Issue 33 (4): output_dir is ${hydra:runtime.output_dir} in each job's .hydra/config.yaml."""
+    sweep = tmp_path / "sweep"
+    for number in (0, 1):
+        job = hydra_job(sweep, number, "${hydra:runtime.output_dir}", tmp_path)
+        write_metrics(job, [epoch(0, 0.5, 100.0, 0.7), epoch(1, 0.6 + number / 10, 200.0, 0.1)])
+        write_config(job, {"output_dir": job, "data": {"num_workers": number}})
+    # And one whose output_dir was set relative to where train.py ran (Hydra's runtime.cwd).
+    hydra_job(sweep, 2, "runs/${hydra:job.num}", tmp_path)
+    write_metrics(str(tmp_path / "runs" / "2"), [epoch(0, 0.9, 100.0, 0.1)])
+    rows = report([str(sweep)], None, draw=False).splitlines()[1:4]
+    assert [row.split()[:2] for row in rows] == [["0", "60.0%"], ["1", "70.0%"], ["2", "90.0%"]]
+
+
+def test_a_run_stopped_in_its_first_epoch_is_a_run_that_has_not_finished_an_epoch(tmp_path, capsys):
+    """Issue 33 (4): config.yaml and last.pt but no metrics.jsonl yet: where last.pt is."""
+    from tpustream.checkpoint import encode_checkpoint
+
+    run = str(tmp_path / "run")
+    write_config(run, {"output_dir": run, "data": {"num_workers": 0}})
+    state = {"position": {"epoch": 0, "step": 12}, "data_plan": {"steps_per_epoch": 28}, "history": []}
+    storage.write_bytes(f"{run}/checkpoints/last.pt", encode_checkpoint(state))
+    assert main([run]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        run,
+        "no epoch finished yet: checkpoints/last.pt is at epoch 0, step 12 of 28; "
+        "the same command continues it",
+    ]
+    storage.delete(f"{run}/checkpoints/last.pt")  # stopped before its first checkpoint
+    assert "no epoch finished yet, and no checkpoint saved" in report([run], None)

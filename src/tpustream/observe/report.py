@@ -12,57 +12,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from tpustream import storage
 from tpustream.observe.advice import advise, measured
+from tpustream.observe.runs import Run, find_runs
 
-
-@dataclass
-class Run:
-    url: str
-    records: list[dict[str, Any]]
-    config: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.url.rstrip("/").rsplit("/", 1)[-1]
-
-
-def read_yaml(url: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    if not storage.exists(url):
-        return {}
-    loaded = OmegaConf.to_container(OmegaConf.create(storage.read_bytes(url).decode()), resolve=False)
-    return loaded if isinstance(loaded, dict) else {}
-
-
-def read_run(url: str) -> Run:
-    from tpustream.checkpoint import read_metrics
-
-    return Run(url, read_metrics(url), read_yaml(storage.join(url, "config.yaml")))
-
-
-def find_runs(url: str) -> list[Run]:
-    """The run in a run folder, or the runs of a Hydra multirun folder (each job's output_dir)."""
-    if storage.exists(storage.join(url, "metrics.jsonl")):
-        return [read_run(url)]
-    if storage.is_gcs(url) or not os.path.isdir(url):
-        raise FileNotFoundError(f"{url}: no metrics.jsonl (not a run folder, nor a Hydra multirun folder)")
-    runs = []
-    for job in sorted(os.listdir(url), key=lambda name: (len(name), name)):
-        hydra_config = read_yaml(os.path.join(url, job, ".hydra", "config.yaml"))
-        output_dir = hydra_config.get("output_dir")
-        if output_dir and storage.exists(storage.join(str(output_dir), "metrics.jsonl")):
-            runs.append(read_run(str(output_dir)))
-    if not runs:
-        raise FileNotFoundError(f"{url}: no metrics.jsonl in it nor in the output_dir of any job folder")
-    return runs
+__all__ = ["Run", "find_runs", "main", "report"]
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -155,12 +113,13 @@ def report(urls: Sequence[str], plot_url: str | None, draw: bool = True) -> str:
         (run,) = runs
         config = run.config.get("data", {})
         findings = advise(run.records, config.get("num_workers"))
-        text = f"{run.url}\n{epoch_table(run)}"
+        text = "\n".join(part for part in (run.url, run.records and epoch_table(run), run.note) if part)
         if findings:
             text += "\n" + "\n".join(f"advice: {finding}" for finding in findings)
         target = plot_url or storage.join(run.url, "report.png")
     else:
         text = comparison_table(runs)
+        text += "".join(f"\n{run.name}: {run.note}" for run in runs if run.note)
         target = plot_url or "tpustream-report.png"
     if draw and any(run.records for run in runs):
         plot(runs, target)
