@@ -119,5 +119,44 @@ def test_a_run_stopped_in_its_first_epoch_is_a_run_that_has_not_finished_an_epoc
         "no epoch finished yet: checkpoints/last.pt is at epoch 0, step 12 of 28; "
         "the same command continues it",
     ]
+    # An epoch finished but metrics.jsonl could not be written: last.pt's history stands in for it.
+    state.update(position={"epoch": 1, "step": 0}, history=[epoch(0, 0.5, 100.0, 0.1)])
+    storage.write_bytes(f"{run}/checkpoints/last.pt", encode_checkpoint(state))
+    text = report([run], None, draw=False)
+    assert "best.pt: validation accuracy 50.00% at epoch 0" in text
+    assert "no metrics.jsonl: the epochs are checkpoints/last.pt's history" in text
     storage.delete(f"{run}/checkpoints/last.pt")  # stopped before its first checkpoint
     assert "no epoch finished yet, and no checkpoint saved" in report([run], None)
+
+
+def test_compiles_are_each_epochs_own_across_the_processes_of_a_resumed_run():
+    """Issue 33 (4): `compilations` is a process's running total; a resumed process counts from 0 again."""
+    from tpustream.observe.report import compiles_per_epoch
+
+    totals = [(5, True), (5, False), (7, False), (4, True), (4, False), (3, False), (3, False)]
+    records = [
+        {"compilations": total, **({"setup_seconds": 1.0} if first else {})} for total, first in totals
+    ]
+    # The second process's first epoch has setup_seconds; a third, without (no start time), counts less.
+    assert compiles_per_epoch(records) == [5, 0, 2, 4, 0, 3, 0]
+
+
+def test_the_weight_average_is_shown_beside_the_raw_weights_and_best_pt_is_named(two_runs, tmp_path):
+    """Issue 33 (2): ema.select_best=ema: best.pt's epoch is the average's best, both accuracies shown."""
+    run = str(tmp_path / "ema")
+    records = [epoch(0, 0.5, 100.0, 0.1), epoch(1, 0.0975, 100.0, 0.1)]
+    records[0].update(ema_val_accuracy=0.3)
+    records[1].update(ema_val_accuracy=0.6435)
+    write_metrics(run, records)
+    write_config(run, {"ema": {"decay": 0.99, "select_best": "ema"}, "data": {"num_workers": 0}})
+    lines = report([run], None, draw=False).splitlines()
+    assert lines[1].split()[:4] == ["epoch", "acc", "ema", "acc"]
+    assert lines[3].split()[:3] == ["1", "9.8%", "64.3%"]
+    assert lines[4] == (
+        "best.pt: validation accuracy 64.35% at epoch 1 of the weight average, which best.pt follows "
+        "(ema.select_best=ema); raw weights 9.75%"
+    )
+    header, *rows = report([*two_runs, run], None, draw=False).splitlines()[:4]
+    assert header.split()[:6] == ["run", "best", "acc", "ema", "acc", "best.pt"]
+    assert rows[0].split()[:5] == ["w0", "80.0%", "-", "1", "raw"]
+    assert rows[2].split()[:5] == ["ema", "9.8%", "64.3%", "1", "ema"]

@@ -18,6 +18,7 @@ from typing import Any
 
 from tpustream import storage
 from tpustream.observe.advice import advise, measured
+from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
 
 __all__ = ["Run", "find_runs", "main", "report"]
@@ -44,16 +45,50 @@ def percent(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def has_average(runs: Sequence[Run]) -> bool:
+    """Whether any run evaluated a weight average (ema.decay): its columns are shown then."""
+    return any(r.get("ema_val_accuracy") is not None for run in runs for r in run.records)
+
+
+def compiles_per_epoch(records: Sequence[Mapping[str, Any]]) -> list[int | None]:
+    """Graphs compiled in each epoch, from `compilations`: each process's running total since it started.
+
+    A resumed run's process counts from 0 again. Its first epoch carries
+    setup_seconds (where train.py gave its start time); without one, a total
+    below the last epoch's marks it too. That first epoch's compiles are the
+    process's whole total.
+    """
+    compiles: list[int | None] = []
+    previous: int | None = None
+    for record in records:
+        total = record.get("compilations")
+        new_process = record.get("setup_seconds") is not None
+        if total is None or previous is None or new_process or total < previous:
+            compiles.append(total)
+        else:
+            compiles.append(total - previous)
+        previous = total
+    return compiles
+
+
 def epoch_table(run: Run) -> str:
-    columns = ("epoch", 5), ("acc", 7), ("top5", 7), ("loss", 8), ("samples/s", 10), ("input", 7), ("MFU", 6)
+    """A row per epoch; the weight average's accuracy beside the raw one's where the run has one."""
+    average = has_average([run])
+    columns = [("epoch", 5), ("acc", 7), *([("ema acc", 7)] if average else []), ("top5", 7), ("loss", 8)]
+    columns += [("samples/s", 10), ("input", 7), ("MFU", 6)]
     lines = [" ".join(f"{name:>{width}}" for name, width in columns) + " compiles"]
-    for r in run.records:
+    for r, compiles in zip(run.records, compiles_per_epoch(run.records), strict=True):
         loss = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
+        ema = f" {percent(r.get('ema_val_accuracy')):>7}" if average else ""
         lines.append(
-            f"{r['epoch']:>5} {percent(r.get('val_accuracy')):>7} {percent(r.get('val_top5')):>7} {loss:>8} "
-            f"{r.get('global_rate', 0):>10.1f} {percent(r.get('input_wait_fraction')):>7} "
-            f"{percent(r.get('mfu')):>6} {r.get('compilations', '-'):>8}"
+            f"{r['epoch']:>5} {percent(r.get('val_accuracy')):>7}{ema} {percent(r.get('val_top5')):>7} "
+            f"{loss:>8} {r.get('global_rate', 0):>10.1f} {percent(r.get('input_wait_fraction')):>7} "
+            f"{percent(r.get('mfu')):>6} {'-' if compiles is None else compiles:>8}"
         )
+    select_best = select_best_of(run.config)
+    best = best_record(run.records, select_best)
+    if best is not None:
+        lines.append(f"best.pt: validation accuracy {describe_best(best, select_best)}")
     return "\n".join(lines)
 
 
@@ -62,18 +97,29 @@ def mean(values: Sequence[float]) -> float | None:
 
 
 def comparison_table(runs: Sequence[Run]) -> str:
+    """A row per run: the accuracy of the epoch its best.pt holds, its speed, what differs.
+
+    Where a run has a weight average: the average's accuracy in that epoch
+    beside the raw weights', and the epoch with the weights its ema.select_best
+    chose it by.
+    """
     keys = differing(runs)
-    lines = [f"{'run':<24} {'best acc':>8} {'samples/s':>10} {'input':>7} {'epochs':>6}  differs"]
+    average = has_average(runs)
+    ema_header = f" {'ema acc':>8} {'best.pt':>8}" if average else ""
+    lines = [f"{'run':<24} {'best acc':>8}{ema_header} {'samples/s':>10} {'input':>7} {'epochs':>6}  differs"]
     for run in runs:
         steady = measured(run.records)
-        accuracies = [r["val_accuracy"] for r in run.records if r.get("val_accuracy") is not None]
+        select_best = select_best_of(run.config)
+        best = best_record(run.records, select_best) or {}
         rate = mean([r["global_rate"] for r in steady if r.get("global_rate") is not None])
         wait = mean([r["input_wait_fraction"] for r in steady if r.get("input_wait_fraction") is not None])
         flat = flatten(run.config)
         overrides = " ".join(f"{key}={flat.get(key)}" for key in keys)
         rate_text = "-" if rate is None else f"{rate:.1f}"
+        chosen = f"{best['epoch']} {select_best.value}" if best else "-"
+        ema = f" {percent(best.get('ema_val_accuracy')):>8} {chosen:>8}" if average else ""
         lines.append(
-            f"{run.name[:24]:<24} {percent(max(accuracies, default=None)):>8} {rate_text:>10} "
+            f"{run.name[:24]:<24} {percent(best.get('val_accuracy')):>8}{ema} {rate_text:>10} "
             f"{percent(wait):>7} {len(run.records):>6}  {overrides}"
         )
     return "\n".join(lines)
@@ -93,7 +139,15 @@ def plot(runs: Sequence[Run], url: str) -> None:
             (r["epoch"], r["val_accuracy"]) for r in run.records if r.get("val_accuracy") is not None
         ]
         if evaluated:
-            accuracy.plot(*zip(*evaluated, strict=True), marker="o", label=run.name)
+            (line,) = accuracy.plot(*zip(*evaluated, strict=True), marker="o", label=run.name)
+            averaged = [
+                (r["epoch"], r["ema_val_accuracy"])
+                for r in run.records
+                if r.get("ema_val_accuracy") is not None
+            ]
+            if averaged:  # the weight average's curve, dashed in its run's colour
+                label, colour = f"{run.name} ema", line.get_color()
+                accuracy.plot(*zip(*averaged, strict=True), linestyle="--", color=colour, label=label)
         loss.plot(epochs, [r["train_loss"] for r in run.records], marker="o", label=run.name)
     accuracy.set(xlabel="epoch", ylabel="validation accuracy", title="accuracy")
     loss.set(xlabel="epoch", ylabel="training loss", title="loss")
