@@ -33,7 +33,27 @@ def test_a_good_config_prepares_a_plan(prepared):
         (["accelerator=tpu", "accelerator.num_devices=4"], "TPU_VISIBLE_CHIPS"),
         (["batch_size=2000"], r"batch_size=2000 is larger than a replica's share.*1438 samples"),
         (["data.last_batch=drop", "batch_size=1438", "epochs=1"], None),
-        (["data.mean=[0.5]", "data.std=[0.5]"], "data.mean has 1 values, images have 3 channels"),
+        (
+            ["data.mean=[0.5]", "data.std=[0.5]"],
+            r"data.mean and data.std have 1 values, images have 3 channel\(s\) \(the data's\)",
+        ),
+        # Issue 33 (9): both must change, and the message says so with the values to give.
+        (
+            ["data.channels=1"],
+            r"data.mean and data.std have 3 values, images have 1 channel\(s\) \(data.channels=1\): give "
+            r"both one value per channel, e.g. data.mean=\[0.5\] data.std=\[0.25\]$",
+        ),
+        # Issue 33 (5): the fill's channels, before spawning, as its range is.
+        (
+            ["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[1,2,3]"],
+            r"augment.fill has 3 values, images have 1 channel\(s\) \(data.channels=1\): .*fill=\[128\]",
+        ),
+        (["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[7]"], None),
+        # Issue 33 (9): settings that would do nothing.
+        (["augment.mix_prob=0.5"], r"augment.mix_prob=0.5 is the probability of mixing, and nothing mixes"),
+        (["augment.mix_prob=0.5", "augment.cutmix_alpha=1.0"], None),
+        (["ema.warmup=true"], r"ema.warmup=true ramps the average's decay up to ema.decay, which is 0"),
+        (["ema.warmup=true", "ema.decay=0.99"], None),
         (["model.name=vit"], "model.name='vit' is not a known model"),
         (["epochs=0"], "epochs must be at least 1"),
         (

@@ -177,6 +177,12 @@ class EmaConfig:
                 raise ConfigError(f"ema.{name} must be a positive number, got {value}")
         if self.select_best == BestOf.ema and self.decay == 0:
             raise ConfigError("ema.select_best=ema needs an average: set ema.decay (e.g. 0.9998)")
+        # A setting that would do nothing is refused, not silently ignored.
+        if self.warmup and self.decay == 0:
+            raise ConfigError(
+                "ema.warmup=true ramps the average's decay up to ema.decay, which is 0 (no average): "
+                "set ema.decay (e.g. 0.9998), or leave ema.warmup out"
+            )
 
 
 @dataclass
@@ -246,6 +252,12 @@ class AugmentConfig:
                 )
         if self.erase_count < 1:
             raise ConfigError(f"augment.erase_count must be at least 1, got {self.erase_count}")
+        # A setting that would do nothing is refused, not silently ignored (the default is no setting).
+        if self.mix_prob != AugmentConfig.mix_prob and not self.mixing():
+            raise ConfigError(
+                f"augment.mix_prob={self.mix_prob:g} is the probability of mixing, and nothing mixes: set "
+                "augment.mixup_alpha or augment.cutmix_alpha (or cutmix_minmax), or leave mix_prob out"
+            )
         if self.randaugment and self.trivialaugment:
             raise ConfigError("augment.randaugment and augment.trivialaugment are two policies: choose one")
         self.policy()  # a RandAugment string that timm would not read fails here, naming its section

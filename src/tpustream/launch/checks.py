@@ -239,8 +239,7 @@ def check_data(
         )
     if train.classes != val.classes:
         raise ConfigError("train and validation manifests list different classes")
-    if len(cfg.data.mean) != train.channels:
-        raise ConfigError(f"data.mean has {len(cfg.data.mean)} values, images have {train.channels} channels")
+    check_channel_values(cfg, train.channels)
     side = min(train.image_size)
     if TrainCrop(cfg.data.train_crop) == TrainCrop.pad_crop and cfg.data.crop_padding >= side:
         raise ConfigError(
@@ -266,6 +265,30 @@ def check_data(
                 f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
             )
         plan_layout(train.num_samples, batch, world_size, cfg.data.last_batch, "train")
+
+
+def check_channel_values(cfg: TrainConfig, channels: int) -> None:
+    """data.mean, data.std and augment.fill give one value per channel of the images, or ConfigError.
+
+    Checked here, not in the schema: the channel count is the data's
+    (data.channels, else the manifest's). A wrong count would otherwise fail
+    in every replica, at the first normalised or augmented batch.
+    """
+    source = f"data.channels={cfg.data.channels}" if cfg.data.channels else "the data's"
+    images = f"images have {channels} channel(s) ({source})"
+    # DataConfig.check has made mean and std the same length: both must change together.
+    if len(cfg.data.mean) != channels:
+        example = ",".join(["0.5"] * channels), ",".join(["0.25"] * channels)
+        raise ConfigError(
+            f"data.mean and data.std have {len(cfg.data.mean)} values, {images}: give both one value per "
+            f"channel, e.g. data.mean=[{example[0]}] data.std=[{example[1]}]"
+        )
+    fill = cfg.augment.fill
+    if fill is not None and len(fill) != channels:
+        raise ConfigError(
+            f"augment.fill has {len(fill)} values, {images}: give one 0..255 value per channel, "
+            f"e.g. augment.fill=[{','.join(['128'] * channels)}], or null (the mean colour)"
+        )
 
 
 def local_gpus() -> int:
