@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -139,6 +140,27 @@ def test_bad_config_is_a_config_error(prepared, overrides, message):
         return
     with pytest.raises(ConfigError, match=message):
         prepared(*overrides)
+
+
+def test_crops_far_larger_than_the_stored_images_are_named_in_a_warning(prepared, caplog):
+    """Issue 33 (9): +experiment=deit_small on 32 px data upsamples every crop 7x; a warning, not an
+    error, since fine-tuning a 224 px model on upsampled small images is common practice."""
+    deit = (
+        "+experiment=deit_small",
+        "data.val_shards=${data.root}/test",
+        "precision=fp32",
+        "data.num_workers=0",
+    )
+    with caplog.at_level(logging.WARNING, logger="tpustream.launch.checks"):
+        prepared(*deit)
+    assert (
+        "data.image_size=224: model=timm deit_small_patch16_224 is trained on 224x224 crops of images stored "
+        "at 32x32 at most, each upsampled 7x or more; to train at the data's size, set data.image_size=32"
+    ) in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tpustream.launch.checks"):
+        prepared(*deit, "data.image_size=48", "+model.options.img_size=48")  # 1.5x: no warning
+    assert "upsampled" not in caplog.text
 
 
 def test_missing_data_is_named(compose_config, digits_root, tmp_path, gcs_emulator):

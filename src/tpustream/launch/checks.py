@@ -23,6 +23,7 @@ from tpustream.config import (
     SPMD_STRATEGIES,
     Collectives,
     Device,
+    ModelLibrary,
     RuntimeKind,
     TrainConfig,
     TrainCrop,
@@ -240,6 +241,7 @@ def check_data(
     if train.classes != val.classes:
         raise ConfigError("train and validation manifests list different classes")
     check_channel_values(cfg, train.channels)
+    warn_if_upsampled(cfg, train)
     side = min(train.image_size)
     if TrainCrop(cfg.data.train_crop) == TrainCrop.pad_crop and cfg.data.crop_padding >= side:
         raise ConfigError(
@@ -289,6 +291,40 @@ def check_channel_values(cfg: TrainConfig, channels: int) -> None:
             f"augment.fill has {len(fill)} values, {images}: give one 0..255 value per channel, "
             f"e.g. augment.fill=[{','.join(['128'] * channels)}], or null (the mean colour)"
         )
+
+
+# Crops this many times the stored images' larger side, or more, get a warning.
+UPSAMPLED_WARNING_FACTOR = 2
+
+
+def warn_if_upsampled(cfg: TrainConfig, train: ShardManifest) -> None:
+    """A warning when random-resized crops are far larger than the stored images (32 px data at 224).
+
+    Not an error: fine-tuning a model made for 224 px on small images
+    upsampled to 224 is common practice. Training one from scratch that way
+    costs (224/32)^2 = 49x the compute per image for no more information, and
+    nothing else would say so. With model.pretrained, the size is the weights'
+    and the upsampling is that practice: no warning.
+    """
+    if train.stored_size is None or train.image_size is None or cfg.model.wants_pretrained():
+        return
+    side, stored = max(train.image_size), max(train.stored_size)
+    if side < UPSAMPLED_WARNING_FACTOR * stored:
+        return
+    library = ModelLibrary(cfg.model.library).value
+    model = f"model={cfg.model.name}" if library == "tpustream" else f"model={library} {cfg.model.name}"
+    log.warning(
+        "data.image_size=%d: %s is trained on %dx%d crops of images stored at %dx%d at most, each "
+        "upsampled %.0fx or more; to train at the data's size, set data.image_size=%d with a model "
+        "made for it (timm ViTs: model.options.img_size and patch_size)",
+        side,
+        model,
+        side,
+        side,
+        *train.stored_size,
+        side / stored,
+        stored,
+    )
 
 
 def local_gpus() -> int:

@@ -43,6 +43,9 @@ class ShardManifest:
     size_stats: dict | None = None
     # Where the sample counts came from, for the start-up log (not serialised).
     counts_from: str = "manifest.json"
+    # Under crops (image_size is then the crops' side): the largest stored (height,
+    # width), where a manifest says it, for the start-up checks (not serialised).
+    stored_size: tuple[int, int] | None = None
 
     @property
     def num_samples(self) -> int:

@@ -90,6 +90,8 @@ def describe_images(
     else:
         image_size, image_format = _first_image_shape(shards, options.image_key, name)
         log.info("%s: images are %dx%d (%s), from the first sample", name, *image_size, image_format)
+    size_stats = first.size_stats if first else None
+    largest = tuple(size_stats["max"]) if size_stats else stored
     return ShardManifest(
         split or (first.split if first else ""),
         classes,
@@ -97,7 +99,8 @@ def describe_images(
         channels,
         image_format,
         shards,
-        size_stats=first.size_stats if first else None,
+        size_stats=size_stats,
+        stored_size=largest if options.crop else None,
     )
 
 
