@@ -287,6 +287,44 @@ def test_resuming_another_model_is_one_line_naming_the_tensor(prepared, tmp_path
         prepared(f"output_dir={out}", "resume=auto")
 
 
+def test_a_checkpoint_of_another_model_is_advised_by_what_the_run_wants_of_it(prepared, tmp_path):
+    """Issue 33 (8): evaluating or starting from it needs its model (model=), not another output_dir."""
+    from tpustream import storage
+    from tpustream.models import create_model
+
+    weights = create_model("resnet18", num_classes=10, image_size=32, channels=3).state_dict()
+    saved = {"model": {"library": "tpustream", "name": "resnet18", "options": {}}}
+    url = f"{tmp_path}/run/checkpoints/last.pt"
+    storage.write_bytes(url, checkpoint_bytes(weights, saved))
+    other = f"output_dir={tmp_path}/other"
+    with pytest.raises(
+        ConfigError,
+        match=r"holds another model than model.name=small_cnn .*\); to evaluate it, use model=resnet18 as it "
+        r"was saved with, or name another checkpoint in resume$",
+    ):
+        prepared(other, f"resume={url}", "eval_only=true")
+    with pytest.raises(ConfigError, match=r"; to train on from it, use model=resnet18 as it was saved with"):
+        prepared(other, f"resume={url}")
+    with pytest.raises(
+        ConfigError,
+        match=r"; to continue it, use model=resnet18 as it was saved with; else use another output_dir, or "
+        r"resume=overwrite to delete",
+    ):
+        prepared(f"output_dir={tmp_path}/run", "resume=auto")
+    # The same model with other options: those options are what to set.
+    storage.write_bytes(
+        url,
+        checkpoint_bytes(
+            create_model("small_cnn", num_classes=10, image_size=32, channels=3, width=8).state_dict(),
+            {"model": {"name": "small_cnn", "options": {"width": 8}}},
+        ),
+    )
+    with pytest.raises(
+        ConfigError, match=r"to evaluate it, use model.options \{'width': 8\} as it was saved"
+    ):
+        prepared(other, f"resume={url}", "eval_only=true")
+
+
 @pytest.mark.slow
 def test_one_bad_job_of_a_multirun_does_not_stop_the_others(digits_root, tmp_path):
     result = run_train(

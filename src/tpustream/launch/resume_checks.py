@@ -127,9 +127,44 @@ def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, A
         detail = f"{len(missing)} missing and {len(unexpected)} unexpected tensor(s), first {first}"
     raise ConfigError(
         f"resume from {source}: the checkpoint holds another model than model.name={cfg.model.name} with "
-        f"{train.num_classes} classes ({detail}); use another output_dir, or resume={OVERWRITE_RESUME} to "
-        "delete the run there and start fresh"
+        f"{train.num_classes} classes ({detail}); {advise_other_model(cfg, state, source)}"
     )
+
+
+def advise_other_model(cfg: TrainConfig, state: dict[str, Any], source: str) -> str:
+    """What to do about a checkpoint of another model: it depends on what the run wants of it.
+
+    Evaluating it (eval_only) or starting from it (resume=URL) needs its
+    model, named from the config it was saved with; only a run folder's own
+    run can instead be left alone (another output_dir) or deleted.
+    """
+    its = describe_saved_model(cfg, (state.get("config") or {}).get("model") or {})
+    if cfg.eval_only:
+        return f"to evaluate it, use {its} as it was saved with, or name another checkpoint in resume"
+    own = source in (
+        checkpoint.checkpoint_url(cfg.output_dir, name) for name in (checkpoint.LAST, checkpoint.BEST)
+    )
+    if not own:
+        return f"to train on from it, use {its} as it was saved with, or name another checkpoint in resume"
+    return (
+        f"to continue it, use {its} as it was saved with; else use another output_dir, or "
+        f"resume={OVERWRITE_RESUME} to delete the run there and start fresh"
+    )
+
+
+def describe_saved_model(cfg: TrainConfig, saved: dict[str, Any]) -> str:
+    """The settings in which a checkpoint's model (its config's model section) differs from this run's."""
+    name, library = saved.get("name"), saved.get("library") or "tpustream"
+    if name is None:  # a checkpoint without its config
+        return "the model.* and data.* settings"
+    options = saved.get("options") or {}
+    ours = getattr(cfg.model.library, "value", cfg.model.library)  # config.ModelLibrary: its value
+    if (library, name) != (ours, cfg.model.name):
+        model = f"model={name}" if library == "tpustream" else f"model={library} model.name={name}"
+        return model + (f" with model.options {options}" if options else "")
+    if options != dict(cfg.model.options):
+        return f"model.options {options}"
+    return "the data's classes and channels (data.num_classes, data.channels)"
 
 
 def check_resume_config(cfg: TrainConfig, config: dict[str, Any], resume: ResumePoint) -> None:
