@@ -105,6 +105,34 @@ def flip_byte_in_tensor_data(data: bytes) -> bytes:
     return data[:index] + bytes([data[index] ^ 0x01]) + data[index + 1 :]
 
 
+class NotWeights:
+    """A class a weights-only load refuses to unpickle."""
+
+
+def test_a_file_that_is_not_weights_only_names_its_cause_whole(tmp_path):
+    """Issue 33 (8): the cause, not torch's advice cut mid-word ("...only if you t)")."""
+    buffer = io.BytesIO()
+    torch.save({"model": NotWeights()}, buffer)
+    (tmp_path / "pickled.pt").write_bytes(buffer.getvalue())
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(str(tmp_path / "pickled.pt"))
+    assert str(refused.value) == (
+        f"{tmp_path}/pickled.pt: damaged or not a checkpoint (UnpicklingError: Unsupported global: GLOBAL "
+        "tests.test_checkpoint.NotWeights was not an allowed global by default.)"
+    )
+    assert "two options" in str(refused.value.__cause__)  # torch's whole message stays with it
+
+
+def test_a_long_load_error_is_cut_at_a_word():
+    from tpustream.checkpoint import MAX_LOAD_ERROR_CHARS, describe_load_error
+
+    described = describe_load_error(RuntimeError("zipfile " * 100))
+    assert (
+        described.endswith("zipfile ...") and len(described) <= len("RuntimeError: ") + MAX_LOAD_ERROR_CHARS
+    )
+    assert describe_load_error(EOFError()) == "EOFError"
+
+
 def test_damage_is_detected_with_a_clear_message(tmp_path):
     good = encode_checkpoint(sample_state())
     (tmp_path / "flipped.pt").write_bytes(flip_byte_in_tensor_data(good))

@@ -21,6 +21,8 @@ import io
 import json
 import logging
 import os
+import re
+import textwrap
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -188,17 +190,34 @@ def decode_checkpoint(data: bytes, source: str) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged file
-        # Some carry no message at all (EOFError for a zero-byte file).
-        lines = str(exc).strip().splitlines()
-        reason = f"{exc.__class__.__name__}: {lines[0][:120]}" if lines else exc.__class__.__name__
-        if not data:
-            reason = "the file is empty"
-        raise CheckpointError(f"{source}: damaged or not a checkpoint ({reason})") from None
+        reason = "the file is empty" if not data else describe_load_error(exc)
+        log.debug("%s: torch.load failed: %s", source, exc)
+        # Chained: the whole of torch's message stays with the error.
+        raise CheckpointError(f"{source}: damaged or not a checkpoint ({reason})") from exc
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{source}: not a tpustream checkpoint (version {CHECKPOINT_VERSION})")
     if state.get("integrity") != content_digest(state):
         raise CheckpointError(f"{source}: checksum mismatch, the file is damaged")
     return state
+
+
+# The longest cause shown in a damaged checkpoint's one line; longer ones end at a word.
+MAX_LOAD_ERROR_CHARS = 240
+
+
+def describe_load_error(exc: Exception) -> str:
+    """torch.load's error as its class and cause, in a line, cut (if at all) at a word, never inside one.
+
+    A file that is not weights only (a pickled class) gets a paragraph whose
+    first line is generic advice with terminal colour codes; the cause is its
+    "WeightsUnpickler error:" sentence. Some errors carry no message at all
+    (EOFError for a zero-byte file).
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    cause = re.search(r"WeightsUnpickler error: (.+?\.)(\s|$)", text, re.DOTALL)
+    line = cause.group(1) if cause else (text.splitlines() or [""])[0]
+    line = textwrap.shorten(line, MAX_LOAD_ERROR_CHARS, placeholder=" ...")
+    return f"{exc.__class__.__name__}: {line}" if line else exc.__class__.__name__
 
 
 def load_checkpoint(url: str) -> dict[str, Any]:
