@@ -101,10 +101,8 @@ def test_another_data_plan_restarts_an_epoch_stopped_inside(caplog):
         restarted = saved.under_data_plan(other, steps_per_epoch=12, source="last.pt")
     assert (restarted.epoch, restarted.step, restarted.global_step, restarted.partial) == (1, 0, 12, None)
     assert (
-        "last.pt stopped at step 5 of epoch 1 under {'world_size': 2, 'batch_size': 4, 'num_workers': 2, "
-        "'steps_per_epoch': 12, 'seed': 0}; this run has {'world_size': 2, 'batch_size': 4, "
-        "'num_workers': 0, 'steps_per_epoch': 12, 'seed': 0}, so epoch 1 restarts from its first batch "
-        "(the samples of its first 5 steps are seen again)"
+        "last.pt stopped at step 5 of epoch 1; this run's order differs (2 worker(s) -> 0 worker(s)), so "
+        "epoch 1 restarts from its first batch and the samples of its first 5 step(s) are trained again"
     ) in caplog.text
     assert (saved.step, saved.global_step) == (5, 17)  # the saved state itself is left as it was
 
@@ -160,3 +158,16 @@ def test_a_canonical_position_restarts_its_epoch_under_another_order(change):
     saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
     restarted = saved.under_data_plan({**CANONICAL, **change}, steps_per_epoch=12, source="x")
     assert (restarted.step, restarted.global_step) == (0, 12)
+
+
+def test_resume_force_with_another_global_batch_says_in_words_what_changed(caplog):
+    """Issue 33 (7): the warning named the two data plans as raw dicts."""
+    saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
+    doubled = {**CANONICAL, "batch_size": 8, "global_batch": 16, "steps_per_epoch": 6}
+    with caplog.at_level(logging.WARNING, logger="tpustream.training"):
+        saved.under_data_plan(doubled, steps_per_epoch=6, source="last.pt")
+    assert (
+        "last.pt stopped at step 5 of epoch 1; this run's order differs (a global batch of 8 -> "
+        "a global batch of 16, 12 steps an epoch -> 6 steps an epoch), so epoch 1 restarts from its "
+        "first batch and the samples of its first 5 step(s) are trained again"
+    ) in caplog.text

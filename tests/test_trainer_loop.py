@@ -241,9 +241,10 @@ def test_resuming_under_another_data_plan_restarts_the_epoch(fake_job, tmp_path,
     with caplog.at_level(logging.INFO, logger="tpustream.training"):
         resumed = fake_job(tiny_config(run), world_size=1, resume_from=resume_from(run))
     assert (
-        "epoch 1 restarts from its first batch (the samples of its first 4 steps are seen again)"
-        in caplog.text
-    )
+        "stopped at step 4 of epoch 1; this run's order differs (2 replica(s) -> 1 replica(s), 12 steps an "
+        "epoch -> 24 steps an epoch), so epoch 1 restarts from its first batch and the samples of its "
+        "first 4 step(s) are trained again"
+    ) in caplog.text
     assert "at epoch 1, step 0" in caplog.text
     (summary,) = resumed.results
     assert [r["replica_steps"] for r in summary["history"]] == [12, 24]

@@ -25,6 +25,7 @@ from tpustream import checkpoint
 from tpustream.config import Strategy, TrainConfig
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
+from tpustream.training.epoch_order import describe_change, describe_shape, same_order
 
 # The package's name, not this module's: log lines read "tpustream.training" as
 # they did before training/ was split (tests and the README match it).
@@ -183,66 +184,18 @@ class TrainState:
                     describe_shape(data_plan),
                 )
             return self
+        # Asked for (resume=force, or a checkpoint named by resume=URL): launch.plan refuses it otherwise.
         log.warning(
-            "%s stopped at step %d of epoch %d under %s; this run has %s, so epoch %d restarts "
-            "from its first batch (the samples of its first %d steps are seen again)",
+            "%s stopped at step %d of epoch %d; this run's order differs (%s), so epoch %d restarts "
+            "from its first batch and the samples of its first %d step(s) are trained again",
             source,
             self.step,
             self.epoch,
-            self.data_plan,
-            data_plan,
+            describe_change(self.data_plan, data_plan),
             self.epoch,
             self.step,
         )
         return dataclasses.replace(self, global_step=self.global_step - self.step, step=0, partial=None)
-
-
-def data_plan(
-    world_size: int,
-    replica_batch: int,
-    workers: int,
-    steps_per_epoch: int,
-    seed: int,
-    partition: dict[str, int] | None,
-) -> dict[str, int]:
-    """What a mid-epoch position depends on (under_data_plan): the shape, and the canonical partition.
-
-    Under a partition only the global batch, the steps, the seed and the
-    partition matter (same_order); the shape is kept to say what changed.
-    """
-    plan = {
-        "world_size": world_size,
-        "batch_size": replica_batch,
-        "num_workers": workers,
-        "steps_per_epoch": steps_per_epoch,
-        "seed": seed,
-    }
-    if partition is not None:
-        plan.update(partition, global_batch=replica_batch * world_size)
-    return plan
-
-
-# What an epoch's order depends on under a canonical partition (data.read.plan).
-CANONICAL_ORDER_KEYS = ("global_batch", "streams", "stream_buffer", "steps_per_epoch", "seed")
-
-
-def same_order(saved: dict[str, int] | None, current: dict[str, int]) -> bool:
-    """Whether two data plans give every global step of an epoch the same samples."""
-    if saved is None:
-        return False
-    if saved.get("streams") and current.get("streams"):
-        return all(saved.get(key) == current.get(key) for key in CANONICAL_ORDER_KEYS)
-    return saved == current
-
-
-def describe_shape(plan: dict[str, int] | None) -> str:
-    """A data plan's shape in words: replicas x batch, workers."""
-    if not plan:
-        return "an unknown plan"
-    return (
-        f"{plan.get('world_size')} replica(s) x batch {plan.get('batch_size')}, "
-        f"{plan.get('num_workers')} worker(s)"
-    )
 
 
 def device_values(runtime: Runtime, *values: tuple[float | list[float], torch.dtype]) -> list[torch.Tensor]:

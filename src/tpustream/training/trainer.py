@@ -30,6 +30,7 @@ from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
 from tpustream.training.ema import WeightAverage, average_on_host, ema_metrics
 from tpustream.training.epoch_checks import check_epoch, first_distinct
+from tpustream.training.epoch_order import data_plan
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
 from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state, set_learning_rate
@@ -43,7 +44,6 @@ from tpustream.training.state import (
     ProgressAttribute,
     TrainState,
     capture_rng,
-    data_plan,
     plain_optimizer_state_fits,
     restore_rng,
 )
@@ -165,7 +165,7 @@ class Trainer:
 
     # -- state ------------------------------------------------------------
     def data_plan(self) -> dict[str, int]:
-        """What a mid-epoch position depends on (state.data_plan); an spmd host loads a batch per device."""
+        """What a mid-epoch position depends on (epoch_order); an spmd host loads a batch per device."""
         shape = (
             self.runtime.world_size,
             self.cfg.batch_size * self.runtime.local_devices,
