@@ -107,10 +107,19 @@ def test_another_data_plan_restarts_an_epoch_stopped_inside(caplog):
     assert (saved.step, saved.global_step) == (5, 17)  # the saved state itself is left as it was
 
 
-@pytest.mark.parametrize("step", [0, 12], ids=["epoch-start", "trained-not-evaluated"])
-def test_a_position_between_epochs_holds_under_any_data_plan(step, caplog):
-    saved = TrainState(epoch=1, step=step, global_step=12 + step, data_plan=PLAN)
+def test_a_position_at_an_epochs_start_holds_under_any_data_plan(caplog):
+    saved = TrainState(epoch=1, step=0, global_step=12, data_plan=PLAN)
     assert saved.under_data_plan({**PLAN, "world_size": 8}, steps_per_epoch=3, source="x") is saved
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("world_size, steps", [(8, 3), (1, 24)], ids=["fewer-steps", "more-steps"])
+def test_a_trained_epoch_stays_trained_under_another_count_of_steps(world_size, steps, caplog):
+    """Issue 33 (7): 12 of 24 steps is not mid-epoch when the run stopped after all 12 of its own."""
+    saved = TrainState(epoch=1, step=12, global_step=24, data_plan=PLAN)
+    plan = {**PLAN, "world_size": world_size, "steps_per_epoch": steps}
+    resumed = saved.under_data_plan(plan, steps_per_epoch=steps, source="x")
+    assert (resumed.epoch, resumed.step, resumed.global_step) == (1, steps, 24)  # evaluated, not retrained
     assert not caplog.records
 
 

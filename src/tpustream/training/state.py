@@ -170,6 +170,11 @@ class TrainState:
         back and trained again from its first batch. A position at an epoch's
         start or end holds under any plan.
         """
+        trained = (self.data_plan or {}).get("steps_per_epoch")
+        if trained and self.step >= trained:
+            # Trained, not evaluated: counted in the saved plan's steps, which another shape may
+            # not have (fewer replicas, more steps), where it would read as mid-epoch and retrain it.
+            return self if self.step == steps_per_epoch else dataclasses.replace(self, step=steps_per_epoch)
         if not 0 < self.step < steps_per_epoch:
             return self
         if same_order(self.data_plan, data_plan):
