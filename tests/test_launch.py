@@ -407,6 +407,36 @@ def test_a_run_with_canonical_streams_continues_on_another_shape_with_its_global
     assert older.partition(2, 32) is None  # and keeps it: the epoch resumes only on the same shape
 
 
+def test_a_run_without_canonical_streams_continues_mid_epoch_on_its_own_shape_only(prepared, tmp_path):
+    """Issue 33 (7): its order is cut for replicas x batch x workers; another shape would retrain steps."""
+    from tpustream import storage
+    from tpustream.models import create_model
+
+    out = str(tmp_path / "run")
+    made = prepared(f"output_dir={out}", "accelerator=cpu_eager", "data.streams=0")
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
+    # Stopped at step 5 of epoch 1 on 1 replica x 64 x 2 workers, without canonical streams.
+    plan = {"world_size": 1, "batch_size": 64, "num_workers": 2, "steps_per_epoch": 23, "seed": 0}
+    written = checkpoint_bytes(weights, made.config_dict, plan, epoch=1, step=5, global_step=28)
+    storage.write_bytes(f"{out}/checkpoints/last.pt", written)
+    eager = ("accelerator=cpu_eager", f"output_dir={out}", "resume=auto", "data.streams=0")
+    assert prepared(*eager).partition(1, 64) is None  # its own shape: it continues at step 5
+    assert prepared(*eager, "data.num_workers=auto").cfg.data.num_workers == 2  # resolved to its count
+    with pytest.raises(
+        ConfigError,
+        match=r"last.pt stopped at step 5 of epoch 1 in an order cut for its shape .*data.streams=0.*"
+        r"\(2 worker\(s\) -> 4 worker\(s\)\): resume it with data.num_workers=2 to finish the epoch .*"
+        r"or set resume=force to restart epoch 1 from its first batch \(the samples of its first 5 step",
+    ):
+        prepared(*eager, "data.num_workers=4")
+    with pytest.raises(ConfigError, match=r"\(1 replica\(s\) -> 2 replica\(s\)\): resume it on 1 replica"):
+        prepared(*eager, "accelerator.num_devices=2")
+    assert prepared(*eager, "data.num_workers=4", "resume=force").partition(1, 64) is None
+    # Named by resume=URL (fine-tuning in another folder): the epoch restarts, as under resume=force.
+    named = (f"output_dir={tmp_path}/tuned", f"resume={out}/checkpoints/last.pt", "data.num_workers=4")
+    assert prepared(*eager[:1], *named, "data.streams=0").partition(1, 64) is None
+
+
 def finished_run(out: str, epochs: int = 3, best_epoch: int = 1) -> bytes:
     """A run folder as a run of small_cnn leaves it after `epochs` evaluated epochs: checkpoints, metrics."""
     from tpustream import storage

@@ -35,6 +35,7 @@ from tpustream.launch.hosts import load_split_on_this_host
 from tpustream.launch.resume_checks import (
     check_fresh_start,
     check_not_finished,
+    check_per_reader_shape,
     check_resume_config,
     check_resume_fits,
 )
@@ -65,6 +66,7 @@ class RunPlan:
     resume_step: int = 0
     resume_batch_size: int | None = None
     resume_own: bool = True  # the run folder's own checkpoint, not one named by resume=URL
+    resume_epoch: int = 0  # the epoch resume_step is in
 
     def partition(self, world_size: int, replica_batch: int) -> CanonicalPartition | None:
         """The training order's canonical partition on this shape (ConfigError where it cannot be read).
@@ -75,8 +77,9 @@ class RunPlan:
         named by resume=URL (fine-tuning), or at an epoch's start with
         batch_size unchanged (more replicas), where the run takes a new
         partition (its epoch restarts: TrainState.under_data_plan). A
-        checkpoint without one (an older run) keeps the per-reader plan; a
-        fresh run chooses one from data.streams.
+        checkpoint without one (data.streams=0, or an older run) keeps the
+        per-reader plan, mid-epoch on its own shape only (the same
+        exceptions); a fresh run chooses one from data.streams.
         """
         cfg = self.cfg
         workers = cfg.data.num_workers
@@ -84,6 +87,10 @@ class RunPlan:
             saved_plan = self.resume_data_plan or {}
             saved = CanonicalPartition.from_dict(saved_plan)
             if saved is None:
+                if self.resume_own and cfg.resume != FORCE_RESUME:
+                    shape = {"world_size": world_size, "batch_size": replica_batch, "num_workers": workers}
+                    position = (self.resume_epoch, self.resume_step)
+                    check_per_reader_shape(saved_plan, *position, shape, self.resume_url)
                 return None
             global_batch = replica_batch * world_size
             if saved_plan["global_batch"] == global_batch:
@@ -129,7 +136,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             manifest.counts_from,
         )
     resume_url = finished = resume_data_plan = resume_batch_size = None
-    resume_step, resume_own = 0, True
+    resume_step, resume_own, resume_epoch = 0, True, 0
     resume = find_resume(typed.resume, typed.output_dir)
     resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
     if resume is None and not typed.eval_only:
@@ -140,7 +147,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         check_resume_config(typed, plain, resume)
         finished = check_not_finished(typed, resume)
         resume_data_plan = resume.state.get("data_plan")
-        resume_step = resume.state["position"]["step"]
+        resume_epoch, resume_step = resume.state["position"]["epoch"], resume.state["position"]["step"]
         resume_batch_size = (resume.state.get("config") or {}).get("batch_size")
         resume_own = resume.own
         del resume  # the checkpoint's tensors: each replica reads its own copy
@@ -177,6 +184,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         resume_step,
         resume_batch_size,
         resume_own,
+        resume_epoch,
     )
     world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
     if world_size is not None and devices is not None and not typed.eval_only and finished is None:

@@ -24,12 +24,19 @@ from tpustream.config import BestOf, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
 from tpustream.observe.best import best_record, describe_best, read_select_best
+from tpustream.training.epoch_order import describe_change
 from tpustream.training.state import TrainState
 
 log = logging.getLogger(__name__)
 
 # Differing keys named in the error when a run folder is continued under another config.
 MAX_SHOWN_DIFFERENCES = 8
+# How to get back to each part of a per-reader order's shape (check_per_reader_shape).
+SHAPE_SETTINGS = {
+    "world_size": "on {} replica(s)",
+    "batch_size": "with a replica batch of {}",
+    "num_workers": "with data.num_workers={}",
+}
 
 
 def describe_run(history: list[dict[str, Any]], select_best: BestOf | str = BestOf.raw) -> str:
@@ -193,3 +200,31 @@ def check_resume_config(cfg: TrainConfig, config: dict[str, Any], resume: Resume
             f"resume={OVERWRITE_RESUME} to delete it and start fresh"
         )
     log.warning("%s was written with another config (%s); continuing with this one", resume.url, shown)
+
+
+def check_per_reader_shape(
+    saved_plan: dict[str, int], epoch: int, step: int, shape: dict[str, int], source: str
+) -> None:
+    """A mid-epoch position without canonical streams continues only on its shape, or ConfigError.
+
+    That order (data.streams=0, or a run begun before canonical streams)
+    deals the epoch out by replicas x replica batch x workers, so on another
+    shape the position means nothing: the trainer could only restart the
+    epoch and train the samples of its first steps a second time
+    (TrainState.under_data_plan), which takes resume=force. ``shape``:
+    world_size, batch_size (a replica's), num_workers (resolved from auto).
+    """
+    steps = saved_plan.get("steps_per_epoch")
+    if not saved_plan or step <= 0 or (steps is not None and step >= steps):
+        return  # at an epoch's start or end, which any order shares
+    saved = {key: saved_plan.get(key) for key in shape}
+    if saved == shape:
+        return
+    back = " and ".join(SHAPE_SETTINGS[key].format(saved[key]) for key in shape if saved[key] != shape[key])
+    raise ConfigError(
+        f"{source} stopped at step {step} of epoch {epoch} in an order cut for its shape (no canonical "
+        f"streams: data.streams=0, or a run begun before them), which this run's shape cannot continue "
+        f"({describe_change(saved, shape)}): resume it {back} to finish the epoch (from an epoch's end "
+        f"any shape continues), or set resume={FORCE_RESUME} to restart epoch {epoch} from its first batch "
+        f"(the samples of its first {step} step(s) are trained again)"
+    )

@@ -9,8 +9,9 @@ margin; never more than the vCPUs this host can spare per replica (one each
 is left for the replicas' own loops), nor than a replica's shards (more
 workers would split shards by sample ranges), nor MAX_AUTO_WORKERS (each holds
 a shuffle buffer). Where the demand is unknown (CPU, GPU) it is what the host
-can spare, within the same caps. A run that resumes mid-epoch keeps the
-count its checkpoint was written with: another count would restart the epoch.
+can spare, within the same caps. A run that resumes mid-epoch without
+canonical streams keeps the count its checkpoint was written with: its order
+continues on no other (launch.resume_checks.check_per_reader_shape).
 The choice and its reasons are logged in one line.
 """
 
