@@ -344,8 +344,9 @@ def test_a_run_folder_continued_under_another_config_is_refused_naming_the_keys(
     made = prepared(f"output_dir={out}", "optim.lr=0.05")
     weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
     storage.write_bytes(f"{out}/checkpoints/last.pt", checkpoint_bytes(weights, made.config_dict))
-    # Where and on what it runs, and longer: the same run, continued.
-    prepared(f"output_dir={out}", "resume=auto", "optim.lr=0.05", "epochs=30", "data.num_workers=0")
+    # Where and on what it runs, and longer (saying what the schedule does): the same run, continued.
+    longer = ("epochs=30", "optim.on_epochs_change=restart")
+    prepared(f"output_dir={out}", "resume=auto", "optim.lr=0.05", *longer, "data.num_workers=0")
     with pytest.raises(
         ConfigError,
         match=r"holds a run made with another config \(batch_size: 64 -> 32; "
@@ -494,6 +495,37 @@ def test_the_run_folders_own_checkpoint_wins_over_the_one_that_started_it(prepar
     # Its own checkpoint under another config: refused as resume=auto would be.
     with pytest.raises(ConfigError, match=r"holds a run made with another config \(batch_size: 64 -> 32\)"):
         prepared(f"output_dir={out}", f"resume={start}", "batch_size=32")
+
+
+def test_more_epochs_under_a_cosine_schedule_are_refused_until_the_schedule_is_chosen(prepared, tmp_path):
+    """Issue 33 (3): a changed horizon used to restart the cosine silently (lr 0.00047 -> 0.027)."""
+    from tpustream import storage
+    from tpustream.models import create_model
+
+    out = str(tmp_path / "run")
+    made = prepared(f"output_dir={out}", "epochs=2")
+    weights = create_model("small_cnn", num_classes=10, image_size=32, channels=3).state_dict()
+    plan = {"steps_per_epoch": 10}
+    storage.write_bytes(
+        f"{out}/checkpoints/last.pt", checkpoint_bytes(weights, made.config_dict, plan, epoch=2)
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^resume from .*last.pt: epochs=4 continues a run whose cosine schedule was drawn over epochs "
+        r"0-2 \(epochs=2\), at epoch 2 now: set optim.on_epochs_change=keep .*, restart .*, or stretch .*$",
+    ):
+        prepared(f"output_dir={out}", "resume=auto", "epochs=4")
+    for choice in ("keep", "restart", "stretch"):
+        assert prepared(f"output_dir={out}", "resume=auto", "epochs=4", f"optim.on_epochs_change={choice}")
+    # A schedule without a horizon, evaluating it, or the same epochs: nothing to decide.
+    constant = ("optim.schedule=constant", "resume=force")
+    assert prepared(f"output_dir={out}", "epochs=4", *constant).finished is None
+    assert prepared(f"output_dir={out}", "resume=auto", "epochs=4", "eval_only=true")
+    # Mid-epoch (step 5 of 10 in epoch 1) it names where the run is.
+    mid = checkpoint_bytes(weights, made.config_dict, plan, epoch=1, step=5)
+    storage.write_bytes(f"{out}/checkpoints/last.pt", mid)
+    with pytest.raises(ConfigError, match=r"at epoch 1.5 now: .* restart \(a new phase over epochs 1.5-3:"):
+        prepared(f"output_dir={out}", "resume=auto", "epochs=3")
 
 
 def test_a_finished_or_early_stopped_run_is_not_trained_again(prepared, tmp_path):

@@ -22,15 +22,13 @@ from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import ConfigError
 from tpustream.launch import prepare, resolve_config
 from tpustream.training.optim import (
-    LRSchedule,
     build_optimizer,
-    make_schedule,
     prime_optimizer_state,
     set_learning_rate,
     sum_over_shards,
-    xla_safe_scalar,
 )
 from tpustream.training.optimizers import LAMB, LARS, clip_gradient_norm
+from tpustream.training.schedule import LRSchedule, make_schedule, xla_safe_scalar
 
 LRS = (0.5, 0.3, 0.1)  # a changing learning rate: LARS keeps it inside the momentum buffer
 
@@ -640,7 +638,8 @@ XLA_LAYER_DECAY_SCRIPT = """
 import sys
 import torch, torch_xla, torch_xla.debug.metrics as met
 from tests.test_optimizers import config, tiny_vit
-from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state, set_learning_rate
+from tpustream.training.optim import build_optimizer, prime_optimizer_state, set_learning_rate
+from tpustream.training.schedule import make_schedule
 
 for name in sys.argv[1:]:
     model = tiny_vit().to(torch_xla.device())

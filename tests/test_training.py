@@ -20,13 +20,11 @@ from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import PREEMPTED_EXIT_CODE
 from tpustream.models import create_model
 from tpustream.training.optim import (
-    LRSchedule,
     build_optimizer,
-    peak_learning_rate,
     prime_optimizer_state,
-    xla_safe_scalar,
 )
 from tpustream.training.report import RateTracker
+from tpustream.training.schedule import LRSchedule, peak_learning_rate, xla_safe_scalar
 
 
 def test_xla_safe_scalar_moves_only_special_values():

@@ -42,7 +42,9 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 CHECKPOINT_VERSION = 2
 # Keys whose change on resume is expected (longer runs, new folders, debugging,
-# how often to evaluate, what to watch): none of them changes the training.
+# how often to evaluate, what to watch). Only epochs changes the training, where
+# the lr schedule is drawn over it: optim.on_epochs_change decides how
+# (training.schedule; launch.resume_checks.check_schedule_horizon refuses until it does).
 FINGERPRINT_IGNORES = (
     "epochs",
     "output_dir",
@@ -71,6 +73,7 @@ RESUME_MAY_DIFFER = (
     "data.num_workers",
     "data.prefetch_factor",
     "data.streams",  # a resumed run keeps its checkpoint's partition
+    "optim.on_epochs_change",  # acts only when epochs changes; the checkpoint keeps the schedule's phase
 )
 # Under a canonical partition batch_size may change with the shape, the global
 # batch kept (RunPlan.partition checks it).

@@ -115,6 +115,15 @@ class Schedule(str, Enum):
     poly = "poly"
 
 
+class EpochsChange(str, Enum):
+    """What a cosine or poly schedule does when a run is continued with other `epochs` (training.schedule)."""
+
+    refuse = "refuse"  # stop before spawning and say what each choice would do to the lr
+    keep = "keep"  # the schedule keeps the horizon it was drawn over (its floor after it)
+    restart = "restart"  # a new phase from where the run is to the new epochs: warmup, then the decay
+    stretch = "stretch"  # redrawn over the new epochs, as if they had been asked from the start
+
+
 class BestOf(str, Enum):
     """Which weights' validation accuracy best.pt and early stopping follow."""
 

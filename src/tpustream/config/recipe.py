@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 from tpustream.config.choices import (
     BestOf,
+    EpochsChange,
     EraseMode,
     Interpolation,
     MixMode,
@@ -82,6 +83,11 @@ class OptimConfig:
     # schedule=poly: after the warmup, lr x (1 - progress) ** poly_power, not
     # below min_lr_ratio x lr (2 in MLPerf ResNet-50's LARS recipe).
     poly_power: float = 2.0
+    # A run continued with another `epochs` under a cosine or poly schedule
+    # (whose curve is drawn over epochs): refuse (say what each choice does),
+    # keep (the old horizon), restart (a new warmup and decay from the resume
+    # point to the new epochs) or stretch (redrawn over the new epochs).
+    on_epochs_change: EpochsChange = EpochsChange.refuse
     # Before every step, scale all gradients so that their global L2 norm (over
     # every parameter, after the replicas' gradients are averaged) is at most
     # this, on the device (torch.nn.utils.clip_grad_norm_'s rule); 0 = off.

@@ -38,6 +38,7 @@ from tpustream.launch.resume_checks import (
     check_per_reader_shape,
     check_resume_config,
     check_resume_fits,
+    check_schedule_horizon,
 )
 from tpustream.launch.workers import resolve_auto_workers
 from tpustream.observe.best import best_record, describe_best
@@ -146,6 +147,8 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         check_resume_fits(typed, train, resume.state, resume_url)
         check_resume_config(typed, plain, resume)
         finished = check_not_finished(typed, resume)
+        if finished is None:
+            check_schedule_horizon(typed, resume)
         resume_data_plan = resume.state.get("data_plan")
         resume_epoch, resume_step = resume.state["position"]["epoch"], resume.state["position"]["step"]
         resume_batch_size = (resume.state.get("config") or {}).get("batch_size")

@@ -20,11 +20,12 @@ from tpustream.checkpoint import (
     read_metrics,
     schema_defaults,
 )
-from tpustream.config import BestOf, TrainConfig
+from tpustream.config import BestOf, EpochsChange, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
 from tpustream.observe.best import best_record, describe_best, read_select_best
 from tpustream.training.epoch_order import describe_change
+from tpustream.training.schedule import SchedulePhase, describe_epochs_change, epochs_changed
 from tpustream.training.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,20 @@ def check_resume_config(cfg: TrainConfig, config: dict[str, Any], resume: Resume
             f"resume={OVERWRITE_RESUME} to delete it and start fresh"
         )
     log.warning("%s was written with another config (%s); continuing with this one", resume.url, shown)
+
+
+def check_schedule_horizon(cfg: TrainConfig, resume: ResumePoint) -> None:
+    """A run continued with another `epochs` under a schedule drawn over them: refused until
+    optim.on_epochs_change says what the schedule does, naming what each choice would do to the lr."""
+    if cfg.eval_only or cfg.optim.on_epochs_change != EpochsChange.refuse:
+        return
+    state = resume.state
+    saved = SchedulePhase.from_checkpoint(state, cfg.epochs)
+    if not epochs_changed(saved, cfg):
+        return
+    position, steps = state["position"], (state.get("data_plan") or {}).get("steps_per_epoch")
+    at = position["epoch"] + (position["step"] / steps if steps else 0.0)
+    raise ConfigError(f"resume from {resume.url}: {describe_epochs_change(saved, at, cfg)}")
 
 
 def check_per_reader_shape(

@@ -1,17 +1,15 @@
-"""The optimizer and its learning-rate schedule: parameter groups, clipping, primed state, warmup, decay."""
+"""The optimizer: parameter groups, clipping, primed state, each step's lr (training.schedule draws it)."""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from tpustream.config import OptimizerName, Schedule, TrainConfig
+from tpustream.config import OptimizerName, TrainConfig
 from tpustream.errors import ConfigError
 from tpustream.training.optimizers import (
     LAMB,
@@ -21,74 +19,10 @@ from tpustream.training.optimizers import (
     clip_gradient_norm,
     step_values,
 )
+from tpustream.training.schedule import xla_safe_scalar
 
 # The package's name, as the trainer's log lines.
 log = logging.getLogger("tpustream.training")
-
-
-def xla_safe_scalar(value: float) -> float:
-    """Nudge 0.0 and 1.0 off their exact values.
-
-    torch_xla bakes these "special" scalars into the graph as constants while
-    every other Python scalar is fed as data, so a learning rate that passes
-    through exactly 0 or 1 compiles a new graph (measured: one extra compile
-    each). One ulp is no numerical change.
-    """
-    if value == 0.0:
-        return 1e-30
-    if value == 1.0:
-        return math.nextafter(1.0, 0.0)
-    return value
-
-
-@dataclass
-class LRSchedule:
-    """Linear warmup to the peak, then cosine, polynomial or step decay, or constant; per step."""
-
-    peak: float
-    warmup_steps: int
-    total_steps: int
-    kind: Schedule
-    min_ratio: float = 0.0
-    # Schedule.step: the peak times decay_factor ** (step // decay_every_steps).
-    decay_every_steps: int = 1
-    decay_factor: float = 1.0
-    # Schedule.poly: the peak times (1 - progress) ** poly_power.
-    poly_power: float = 2.0
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            factor = (step + 1) / self.warmup_steps
-        elif self.kind == Schedule.step:
-            # Counted from step 0, warmup included, as pytorch/xla's
-            # WarmupAndExponentialDecayScheduler (test/schedulers.py) counts epochs.
-            factor = max(self.min_ratio, self.decay_factor ** (step // self.decay_every_steps))
-        elif self.kind == Schedule.constant or self.total_steps <= self.warmup_steps:
-            factor = 1.0
-        else:
-            progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
-            if self.kind == Schedule.poly:
-                # MLPerf ResNet-50's LARS schedule (mlcommons/training
-                # image_classification/tensorflow2/lars_util.py, power 2), floored
-                # at min_ratio instead of adding an end rate.
-                factor = max(self.min_ratio, (1 - progress) ** self.poly_power)
-            else:
-                factor = self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return xla_safe_scalar(self.peak * factor)
-
-
-def make_schedule(cfg: TrainConfig, steps_per_epoch: int, devices: int) -> LRSchedule:
-    """cfg.optim's schedule in steps, peaking at peak_learning_rate."""
-    return LRSchedule(
-        peak=peak_learning_rate(cfg, devices),
-        warmup_steps=max(1, round(cfg.optim.warmup_epochs * steps_per_epoch)),
-        total_steps=cfg.epochs * steps_per_epoch,
-        kind=cfg.optim.schedule,
-        min_ratio=cfg.optim.min_lr_ratio,
-        decay_every_steps=max(1, round(cfg.optim.decay_every_epochs * steps_per_epoch)),
-        decay_factor=cfg.optim.decay_factor,
-        poly_power=cfg.optim.poly_power,
-    )
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -104,18 +38,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """
     for group in optimizer.param_groups:
         group["lr"] = xla_safe_scalar(lr * group.get("lr_scale", 1.0))
-
-
-def peak_learning_rate(cfg: TrainConfig, devices: int) -> float:
-    """optim.lr, scaled linearly to the global batch when optim.reference_batch_size is set.
-
-    The global batch is batch_size per device times the devices that train in
-    data parallel: the replicas, or every device of an spmd mesh.
-    """
-    reference = cfg.optim.reference_batch_size
-    if not reference:
-        return cfg.optim.lr
-    return cfg.optim.lr * cfg.batch_size * devices / reference
 
 
 def original_ndim(param: torch.Tensor) -> int:

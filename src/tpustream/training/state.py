@@ -74,6 +74,7 @@ class TrainState:
         data_plan: dict[str, int],
         config: dict[str, Any],
         replicas: list[Any] | None = None,
+        schedule_phase: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """The checkpoint's content (checkpoint.save_checkpoint adds version and integrity)."""
         return {
@@ -94,6 +95,8 @@ class TrainState:
             # With several replicas: each one's generators and BatchNorm statistics (training.replicas).
             **({} if replicas is None else {"replicas": replicas}),
             "data_plan": data_plan,
+            # training.schedule.SchedulePhase: the epochs the lr schedule is drawn over.
+            **({} if schedule_phase is None else {"schedule_phase": schedule_phase}),
             "config": config,
             "config_fingerprint": checkpoint.config_fingerprint(config),
         }

@@ -33,10 +33,11 @@ from tpustream.training.epoch_checks import check_epoch, first_distinct
 from tpustream.training.epoch_order import data_plan
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
-from tpustream.training.optim import build_optimizer, make_schedule, prime_optimizer_state, set_learning_rate
+from tpustream.training.optim import build_optimizer, prime_optimizer_state, set_learning_rate
 from tpustream.training.periodic import itstime
 from tpustream.training.replicas import floating_buffers, gather_replica_parts, restore_replica_part
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
+from tpustream.training.schedule import LearningRate
 from tpustream.training.source import EpochSource
 from tpustream.training.state import (
     CheckpointWriter,
@@ -119,7 +120,7 @@ class Trainer:
         self.debug = DebugChecks(cfg.debug, runtime, cfg.output_dir)
         self.evaluator = Evaluator(runtime, val_loader, self.normalize, self.debug)
         self.steps_per_epoch = train_loader.steps
-        self.schedule = make_schedule(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
+        self.schedule = LearningRate(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
         self.checkpoints = CheckpointWriter(cfg, runtime)
         self.reporter = EpochReporter(cfg, config_dict, runtime, started_at, model_flops)
         self.replica_rates: list[float] = []
@@ -182,6 +183,7 @@ class Trainer:
             gather_replica_parts(self.runtime, self.buffer_modules(), tag) if self.per_replica_state else None
         )
         return self.train_state.to_checkpoint(
+            schedule_phase=self.schedule.phase.to_dict(),
             replicas=replicas,
             model=model_state,
             ema=ema,
@@ -199,6 +201,7 @@ class Trainer:
         restore_rng(saved.rng, self.runtime)
         # Only the position and sums: the checkpoint's tensors are not kept.
         self.train_state = saved.under_data_plan(self.data_plan(), self.steps_per_epoch, source).progress()
+        self.schedule.resume(state, self.epoch + self.step / self.steps_per_epoch)
         log.info("resumed from %s at epoch %d, step %d", source, self.epoch, self.step)
 
     # -- hooks: the step --------------------------------------------------
