@@ -27,6 +27,9 @@ def test_a_good_config_prepares_a_plan(prepared):
     assert plan.cfg.data.train_shards.endswith("/train") and plan.resume_url is None
 
 
+TRIVIAL = ("augment.trivialaugment=true",)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -46,13 +49,20 @@ def test_a_good_config_prepares_a_plan(prepared):
         ),
         # Issue 33 (5): the fill's channels, before spawning, as its range is.
         (
-            ["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[1,2,3]"],
+            ["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[1,2,3]", *TRIVIAL],
             r"augment.fill has 3 values, images have 1 channel\(s\) \(data.channels=1\): .*fill=\[128\]",
         ),
-        (["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[7]"], None),
+        (["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[7]", *TRIVIAL], None),
         # Issue 33 (9): settings that would do nothing.
-        (["augment.mix_prob=0.5"], r"augment.mix_prob=0.5 is the probability of mixing, and nothing mixes"),
+        (["augment.mix_prob=0.5"], r"augment.mix_prob=0.5 acts only with augment.mixup_alpha or augment"),
         (["augment.mix_prob=0.5", "augment.cutmix_alpha=1.0"], None),
+        (["augment.mix_mode=elem"], r"augment.mix_mode=elem acts only with augment.mixup_alpha or augment"),
+        (["augment.cutmix_alpha=1", "augment.switch_prob=0.2"], r"switch_prob=0.2 acts only with both augm"),
+        (["augment.cutmix_alpha=1", "augment.mixup_alpha=0.2", "augment.switch_prob=0.2"], None),
+        (["augment.erase_count=2"], r"augment.erase_count=2 acts only with augment.erase_prob, which is off"),
+        (["augment.fill=[9,9,9]"], r"augment.fill=\[9.0, 9.0, 9.0\] acts only with augment.randaugment or"),
+        (["augment.trivialaugment=true", "augment.interpolation=nearest"], None),
+        (["ema.decay=0.9", "ema.warmup_power=0.75"], r"ema.warmup_power=0.75 acts only with ema.warmup=true"),
         (["ema.warmup=true"], r"ema.warmup=true ramps the average's decay up to ema.decay, which is 0"),
         (["ema.warmup=true", "ema.decay=0.99"], None),
         (["model.name=vit"], "model.name='vit' is not a known model"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
@@ -189,6 +190,24 @@ class EmaConfig:
                 "ema.warmup=true ramps the average's decay up to ema.decay, which is 0 (no average): "
                 "set ema.decay (e.g. 0.9998), or leave ema.warmup out"
             )
+        refuse_idle_settings(self, "ema", ("warmup_gamma", "warmup_power", self.warmup, "ema.warmup=true"))
+
+
+def refuse_idle_settings(section: Any, prefix: str, *rules: tuple[str, str | None, Any, str]) -> None:
+    """Settings changed from their defaults where nothing they act on is on: ConfigError naming them.
+
+    Each rule is (name, another name or None, whether what they act on is on,
+    what turns it on). Left at its default, a setting says nothing and passes.
+    """
+    for *names, on, needs in rules:
+        for name in filter(None, names):
+            value = getattr(section, name)
+            if not on and value != getattr(type(section), name):
+                shown = value.value if isinstance(value, Enum) else value
+                raise ConfigError(
+                    f"{prefix}.{name}={shown} acts only with {needs}, which is off here: set it, "
+                    f"or leave {prefix}.{name} out"
+                )
 
 
 @dataclass
@@ -238,8 +257,11 @@ class AugmentConfig:
             return RandAugment.parse(self.randaugment)
         return TrivialAugment() if self.trivialaugment else None
 
+    def policy_on(self) -> bool:
+        return bool(self.randaugment) or self.trivialaugment
+
     def active(self) -> bool:
-        return self.mixing() or self.erase_prob > 0 or bool(self.randaugment) or self.trivialaugment
+        return self.mixing() or self.erase_prob > 0 or self.policy_on()
 
     def check(self) -> None:
         for name in ("mixup_alpha", "cutmix_alpha"):
@@ -258,12 +280,15 @@ class AugmentConfig:
                 )
         if self.erase_count < 1:
             raise ConfigError(f"augment.erase_count must be at least 1, got {self.erase_count}")
-        # A setting that would do nothing is refused, not silently ignored (the default is no setting).
-        if self.mix_prob != AugmentConfig.mix_prob and not self.mixing():
-            raise ConfigError(
-                f"augment.mix_prob={self.mix_prob:g} is the probability of mixing, and nothing mixes: set "
-                "augment.mixup_alpha or augment.cutmix_alpha (or cutmix_minmax), or leave mix_prob out"
-            )
+        mixup, cutmix = self.mixup_alpha > 0, self.cutmix_alpha > 0 or self.cutmix_minmax is not None
+        refuse_idle_settings(
+            self,
+            "augment",
+            ("mix_prob", "mix_mode", self.mixing(), "augment.mixup_alpha or augment.cutmix_alpha"),
+            ("switch_prob", None, mixup and cutmix, "both augment.mixup_alpha and augment.cutmix_alpha"),
+            ("erase_mode", "erase_count", self.erase_prob > 0, "augment.erase_prob"),
+            ("interpolation", "fill", self.policy_on(), "augment.randaugment or augment.trivialaugment"),
+        )
         if self.randaugment and self.trivialaugment:
             raise ConfigError("augment.randaugment and augment.trivialaugment are two policies: choose one")
         self.policy()  # a RandAugment string that timm would not read fails here, naming its section
