@@ -4,8 +4,9 @@
         .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 ...
 
 This is the only place that turns errors into exit codes: a TpustreamError is
-one line on stderr and exit code 2; otherwise the exit code is 0 if every
-worker exited 0, else the first failing worker's (see tpustream.pod.workers).
+one line on stderr and exit code 2; a Ctrl-C at any moment is 130 (see
+tpustream.pod.interrupts); otherwise the exit code is 0 if every worker exited
+0, else the first failing worker's (see tpustream.pod.workers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError, TpustreamError
+from tpustream.pod import interrupts
 from tpustream.pod.commands import dry_run_lines
 from tpustream.pod.spec import DEFAULT_WORKDIR, LaunchSpec, parse_env
 from tpustream.pod.workers import launch_pod
@@ -140,17 +142,23 @@ def parse_args(argv: list[str]) -> tuple[LaunchSpec, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        spec, dry_run = parse_args(sys.argv[1:] if argv is None else argv)
-        if dry_run:
-            print("\n".join(dry_run_lines(spec)), flush=True)
-            return 0
-        return launch_pod(spec)
+        with interrupts.handling():
+            spec, dry_run = parse_args(sys.argv[1:] if argv is None else argv)
+            if dry_run:
+                print("\n".join(dry_run_lines(spec)), flush=True)
+                return 0
+            code = launch_pod(spec)
     except TpustreamError as exc:
-        print(f"python -m tpustream.pod: error: {exc}", file=sys.stderr)
-        return 2
+        if not interrupts.received():  # else the Ctrl-C is the cause (it also reaches gcloud run here)
+            print(f"python -m tpustream.pod: error: {exc}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
-        print("python -m tpustream.pod: interrupted", file=sys.stderr)
-        return 130
+        pass
+    else:
+        if not interrupts.received():  # else one came as the launch ended: it still counts
+            return code
+    print("python -m tpustream.pod: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":
