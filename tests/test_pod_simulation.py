@@ -222,6 +222,8 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(di
     before = sample_log_steps(samples, f"-to{stop:05d}", 2, 32)
     after = sample_log_steps(samples, f"-from{stop:05d}", 1, 64)
     assert np.array_equal(np.concatenate([before, after]), expected)
-    # Starved, and the advice names the setting; the advice's own threshold is the bar.
+    # Starved, and the advice names the setting; the advice's own threshold is the bar. On a
+    # host of 2 vCPUs one worker is already the most a replica gets: the advice says so.
     assert history[0]["input_wait_fraction"] > INPUT_BOUND, history[0]
-    assert "advice: input-bound" in resumed.stderr and "raise data.num_workers from 1 to" in resumed.stderr
+    assert "advice: input-bound" in resumed.stderr
+    assert re.search(r"raise data.num_workers from 1 to|data.num_workers=1 already uses", resumed.stderr)

@@ -41,6 +41,23 @@ def test_without_a_known_demand_the_count_is_what_the_host_can_spare():
     assert here.workers == 1
 
 
+def test_auto_and_the_advice_cap_workers_by_the_same_vcpus_per_replica():
+    """Issue 34: neither ever goes past the vCPUs a replica gets, less one for its loop."""
+    from tpustream.observe.advice import advise, host_worker_cap
+
+    starved = [{"epoch": epoch, "input_wait_fraction": 0.9} for epoch in range(3)]
+    for cpus in (1, 2, 8, 16, 96):
+        for replicas in (1, 2, 4, 8):
+            cap = host_worker_cap(cpus, replicas)
+            assert cap == max(1, cpus // replicas - 1)
+            host = {"cpus": cpus, "local_replicas": replicas}
+            auto = choose_workers(worker_rate=1, demand=1e6, shards_per_replica=64, **host)
+            assert auto.workers == min(cap, MAX_AUTO_WORKERS)
+            # 8 workers waiting 90%: 100 wanted, never more than the cap.
+            (finding,) = advise(starved, num_workers=8, **host)
+            assert f"from 8 to {cap} (the most" in finding or "workers cannot help on this host" in finding
+
+
 def test_a_tpu_replicas_demand_is_its_share_of_the_chips_peak_at_the_assumed_mfu():
     v3 = Chip("v3", 123e12, 2, "")
     assert replica_demand(24.5e9, v3) == pytest.approx(123e12 / 2 * AUTO_MFU / 24.5e9)

@@ -15,6 +15,7 @@ from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import check_data, replica_batch_size
 from tpustream.launch.plan import RunPlan
+from tpustream.launch.workers import local_replicas
 from tpustream.logs import setup_worker_logging
 from tpustream.models import create_model
 from tpustream.observe.best import best_record, describe_best
@@ -179,6 +180,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         )
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
         trainer.reporter.shards_per_replica = len(plan.train.shards) / runtime.world_size
+        trainer.reporter.local_replicas = local_replicas(cfg)
         if partition is not None:
             trainer.reporter.max_workers = partition.per_replica(runtime.world_size)
         summary = trainer.fit()

@@ -6,7 +6,8 @@ these shards. What a replica's device takes is known ahead only on a TPU whose
 chip type and the model's FLOPs are known: the chip's peak at an optimistic
 AUTO_MFU. Workers = that demand over one worker's rate, with the advice's
 margin; never more than the vCPUs this host can spare per replica (one each
-is left for the replicas' own loops), nor than a replica's shards (more
+is left for the replicas' own loops: observe.advice.host_worker_cap, the
+advice's cap too), nor than a replica's shards (more
 workers would split shards by sample ranges), nor MAX_AUTO_WORKERS (each holds
 a shuffle buffer). Where the demand is unknown (CPU, GPU) it is what the host
 can spare, within the same caps. A run that resumes mid-epoch without
@@ -27,7 +28,7 @@ from typing import Any
 from tpustream.config import Device, RuntimeKind, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import CanonicalPartition
-from tpustream.observe.advice import WORKER_MARGIN
+from tpustream.observe.advice import WORKER_MARGIN, host_worker_cap
 from tpustream.observe.chips import Chip
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def choose_workers(
     shards_per_replica: float,
 ) -> WorkerChoice:
     """The count, from one worker's measured samples/s and a replica's demand (None: unknown)."""
-    spare = max(1, (cpus - local_replicas) // max(local_replicas, 1))
+    # The advice's cap, so that auto never picks what the advice would call too many.
+    spare = host_worker_cap(cpus, local_replicas)
     caps = {
         f"{spare} spare vCPU(s) per replica": spare,
         f"{shards_per_replica:g} shard(s) per replica": max(1, math.floor(shards_per_replica)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # A loop waiting for input more than this share of its time is input-bound.
@@ -24,6 +25,17 @@ def measured(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return list(records[1:]) if len(records) > 1 else list(records)
 
 
+def host_worker_cap(cpus: int, local_replicas: int | None = None) -> int:
+    """The most loader workers one replica can use on this host: its share of the vCPUs, less one.
+
+    The one left is the replica's own loop (tracing, stepping, collating).
+    Workers beyond that take turns on the same vCPUs with each other and with
+    the loop: on a 16-vCPU H100 host 12 workers ran 5% slower than 4 (issue 34).
+    The advice and data.num_workers=auto both cap by this, so they agree.
+    """
+    return max(1, cpus // max(local_replicas or 1, 1) - 1)
+
+
 def suggested_workers(workers: int, wait_fraction: float) -> int:
     """Workers for the input to keep up with the device.
 
@@ -36,16 +48,32 @@ def suggested_workers(workers: int, wait_fraction: float) -> int:
     return max(current + 1, math.ceil(current * WORKER_MARGIN / max(1.0 - wait_fraction, 0.05)))
 
 
+@dataclass(frozen=True)
+class Host:
+    """The training host as far as the caller knows it: its vCPUs and the replicas sharing them."""
+
+    cpus: int | None = None
+    local_replicas: int | None = None
+
+    def described(self) -> str:
+        replicas = self.local_replicas or 1
+        return f"{self.cpus} vCPUs" + (f" for {replicas} replicas" if replicas > 1 else "")
+
+
 def advise(
     records: Sequence[Mapping[str, Any]],
     num_workers: int | None = None,
     cpus: int | None = None,
     shards_per_replica: float | None = None,
     max_workers: int | None = None,
+    *,
+    local_replicas: int | None = None,
 ) -> list[str]:
     """Findings for these epoch records (metrics.jsonl lines); the run's settings when known.
 
-    max_workers: the most workers a replica may have (its canonical streams).
+    cpus and local_replicas: the training host's vCPUs and the replicas sharing
+    them (None: unknown, e.g. read later by tpustream-report). max_workers: the
+    most workers a replica may have (its canonical streams).
     """
     steady = measured(records)
     if not steady:
@@ -55,32 +83,11 @@ def advise(
     if waits and sum(waits) / len(waits) > INPUT_BOUND:
         wait = sum(waits) / len(waits)
         worst = max(r.get("input_wait_fraction_worst", 0.0) for r in steady)
-        if num_workers is not None:
-            target = suggested_workers(num_workers, wait)
-            room = f" (this host has {cpus} vCPUs)" if cpus else ""
-            if max_workers is not None and target > max_workers:
-                target = max_workers
-                room += f"; at most {max_workers}, the canonical streams each replica reads"
-            change = f"raise data.num_workers from {num_workers} to about {target}{room}"
-            if target <= num_workers:
-                change = (
-                    f"data.num_workers={num_workers} is the most the run's canonical streams allow a "
-                    "replica: start the next run with more data.streams"
-                )
-        else:
-            change = "raise data.num_workers"
-            target = None
-        shards = ""
-        if shards_per_replica is not None and target is not None and target > shards_per_replica:
-            # A worker reads whole shards; more workers than shards split them by sample
-            # ranges, each reading (and skipping) the others' samples: more bytes, not more rate.
-            shards = (
-                f"; a replica has {shards_per_replica:g} shard(s) for {target} workers: write at "
-                f"least {target} shards per replica first"
-            )
+        host = Host(cpus, local_replicas)
         findings.append(
             f"input-bound: the training loop waited for batches {100 * wait:.0f}% of the time "
-            f"(worst replica {100 * worst:.0f}%); {change}, or store fewer bytes per sample{shards}"
+            f"(worst replica {100 * worst:.0f}%); "
+            + worker_change(num_workers, wait, host, shards_per_replica, max_workers)
         )
     first = records[0].get("compilations")
     later = [r for r in records[1:] if r.get("compilations") is not None and first is not None]
@@ -101,3 +108,57 @@ def advise(
             "raise checkpoint.every_n_steps (or 0), or save to a closer bucket"
         )
     return findings
+
+
+def worker_change(
+    num_workers: int | None,
+    share: float,
+    host: Host,
+    shards_per_replica: float | None,
+    max_workers: int | None,
+) -> str:
+    """What to change for an input-bound run: more workers, within what the host and the data allow.
+
+    Never more workers than the vCPUs the host gives a replica, less one for
+    its loop (host_worker_cap); where that is reached, what can still help.
+    """
+    if num_workers is None:
+        return "raise data.num_workers, or store fewer bytes per sample"
+    wanted = suggested_workers(num_workers, share)
+    cap = host_worker_cap(host.cpus, host.local_replicas) if host.cpus else None
+    target = min(limit for limit in (wanted, cap, max_workers) if limit is not None)
+    if target <= num_workers:
+        if cap is not None and cap <= num_workers:
+            more = "already uses" if num_workers == cap else "is more than"
+            fewer = f", and fewer ({cap}) may be faster" if num_workers > cap else ""
+            return (
+                f"data.num_workers={num_workers} {more} the {cap} vCPU(s) this host spares a replica "
+                f"({host.described()}, one kept for each replica's loop): more workers cannot help on "
+                f"this host{fewer}; store fewer bytes per sample, set data.in_memory=true if the split "
+                "fits in memory, or use a host with more vCPUs"
+            )
+        return (
+            f"data.num_workers={num_workers} is the most the run's canonical streams allow a replica: "
+            "start the next run with more data.streams, or store fewer bytes per sample"
+        )
+    if cap is None:  # read later (tpustream-report): the training host's vCPUs are unknown there
+        room = f" (if the training host has {target + 1} vCPUs per replica: one stays for its loop)"
+    elif target == cap:
+        room = f" (the most: this host has {host.described()}, one kept for each replica's loop)"
+    else:
+        room = f" (this host has {host.described()})"
+    if target == max_workers and target < wanted:
+        room += f"; at most {max_workers}, the canonical streams each replica reads"
+    shards = ""
+    if shards_per_replica is not None and target > shards_per_replica:
+        # A worker reads whole shards; more workers than shards split them by sample ranges,
+        # each reading (and skipping) the others' samples: more bytes, not more rate.
+        shards = (
+            f"; a replica has {shards_per_replica:g} shard(s) for {target} workers: write at "
+            f"least {target} shards per replica first"
+        )
+    about = "about " if target == wanted else ""
+    return (
+        f"raise data.num_workers from {num_workers} to {about}{target}{room}, or store fewer bytes "
+        f"per sample{shards}"
+    )

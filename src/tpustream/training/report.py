@@ -179,6 +179,7 @@ class EpochReporter:
         # The training split's shards per replica, for the advice (the launcher sets it).
         self.shards_per_replica: float | None = None
         self.max_workers: int | None = None  # a replica's canonical streams, when the run has them
+        self.local_replicas: int | None = None  # replicas sharing this host's vCPUs (the launcher sets it)
 
     def mark_setup_done(self) -> None:
         """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
@@ -336,7 +337,8 @@ class EpochReporter:
         self._write_run_file(checkpoint.write_metrics, history)
         if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
             workers, cpus = self.cfg.data.num_workers, os.cpu_count()
-            findings = advise(history, workers, cpus, self.shards_per_replica, self.max_workers)
+            shards, streams = self.shards_per_replica, self.max_workers
+            findings = advise(history, workers, cpus, shards, streams, local_replicas=self.local_replicas)
             for finding in findings:
                 log.info("advice: %s", finding)
 

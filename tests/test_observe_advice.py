@@ -1,0 +1,61 @@
+"""observe.advice: never more workers than the vCPUs the host gives a replica."""
+
+from __future__ import annotations
+
+import re
+
+from tpustream.observe.advice import advise, host_worker_cap
+
+
+def epochs(wait: float, rate: float = 3033.0, **fields) -> list[dict]:
+    """Three metrics.jsonl lines of a steady run (epoch 0 is left out as start-up)."""
+    return [
+        {"epoch": number, "input_wait_fraction": wait, "input_wait_fraction_worst": wait, "global_rate": rate}
+        | fields
+        for number in range(3)
+    ]
+
+
+def suggested(finding: str) -> int | None:
+    """The worker count a finding tells the run to go to (None: it names none)."""
+    found = re.search(r"raise data\.num_workers from \d+ to (?:about )?(\d+)", finding)
+    return int(found.group(1)) if found else None
+
+
+def test_the_suggested_workers_never_pass_the_vcpus_each_replica_gets_less_one():
+    # Issue 34: an H100 host of 16 vCPUs, one replica, 12 workers waiting 29%: not "about 32".
+    (finding,) = advise(epochs(0.29), num_workers=12, cpus=16, local_replicas=1)
+    assert suggested(finding) == 15
+    assert "(the most: this host has 16 vCPUs, one kept for each replica's loop)" in finding
+    # Four replicas share the host: 16 // 4 - 1 = 3 each.
+    (finding,) = advise(epochs(0.5), num_workers=2, cpus=16, local_replicas=4)
+    assert suggested(finding) == 3 and "this host has 16 vCPUs for 4 replicas" in finding
+    for cpus in (1, 2, 8, 16, 96):
+        for replicas in (1, 2, 4, 8):
+            for workers in (0, 1, 4, 12, 32):
+                for wait in (0.25, 0.5, 0.9):
+                    (finding,) = advise(epochs(wait), workers, cpus, local_replicas=replicas)
+                    target = suggested(finding)
+                    cap = max(1, cpus // replicas - 1)
+                    assert host_worker_cap(cpus, replicas) == cap
+                    assert target is None or workers < target <= cap, (cpus, replicas, workers, finding)
+
+
+def test_at_the_cap_the_advice_says_what_can_help_instead_of_more_workers():
+    (finding,) = advise(epochs(0.29), num_workers=15, cpus=16, local_replicas=1)
+    assert suggested(finding) is None
+    assert "data.num_workers=15 already uses the 15 vCPU(s) this host spares a replica" in finding
+    assert "more workers cannot help on this host; store fewer bytes per sample, set data.in_" in finding
+    assert finding.endswith("or use a host with more vCPUs")
+    (finding,) = advise(epochs(0.29), num_workers=32, cpus=16, local_replicas=1)
+    assert "data.num_workers=32 is more than the 15 vCPU(s)" in finding
+    assert "fewer (15) may be faster" in finding
+    # This machine: 2 vCPUs, one replica, one worker: the cap, not "raise from 1 to 2".
+    (finding,) = advise(epochs(0.5), num_workers=1, cpus=2, local_replicas=1)
+    assert "data.num_workers=1 already uses the 1 vCPU(s)" in finding
+
+
+def test_without_the_hosts_vcpus_the_advice_says_what_its_count_needs():
+    # tpustream-report reads a run later, elsewhere: the count comes with the vCPUs it takes.
+    (finding,) = advise(epochs(0.5), num_workers=2)
+    assert "raise data.num_workers from 2 to about 5 (if the training host has 6 vCPUs per replica" in finding
