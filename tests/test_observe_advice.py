@@ -1,8 +1,10 @@
-"""observe.advice: never more workers than the vCPUs the host gives a replica."""
+"""observe.advice: input-bound by the best figure there is, workers within the host."""
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from tpustream.observe.advice import advise, host_worker_cap
 
@@ -59,3 +61,37 @@ def test_without_the_hosts_vcpus_the_advice_says_what_its_count_needs():
     # tpustream-report reads a run later, elsewhere: the count comes with the vCPUs it takes.
     (finding,) = advise(epochs(0.5), num_workers=2)
     assert "raise data.num_workers from 2 to about 5 (if the training host has 6 vCPUs per replica" in finding
+
+
+def test_the_devices_idle_time_decides_over_the_training_threads_wait():
+    # The device's own figure, when the epoch records carry it, names itself.
+    (finding,) = advise(epochs(0.29, input_bound_fraction=0.31), num_workers=4, cpus=16)
+    assert finding.startswith("input-bound: the device sat idle waiting for input 31% of the loop; raise")
+    # The thread waited, but the device ran the steps already queued: not input-bound.
+    (finding,) = advise(epochs(0.29, input_bound_fraction=0.02), num_workers=4, cpus=16)
+    assert finding.startswith("not input-bound: the device sat idle waiting for input only 2% of the loop")
+    assert "the training thread waited for batches 29% of the time" in finding and suggested(finding) is None
+    assert advise(epochs(0.05, input_bound_fraction=0.02), num_workers=4, cpus=16) == []
+    # Without it, the host-side figure, saying it is host-side.
+    (finding,) = advise(epochs(0.29), num_workers=4, cpus=16)
+    assert finding.startswith(
+        "input-bound: the training thread waited for batches 29% of the time "
+        "(worst replica 29%; host-side: the device may have been busy)"
+    )
+
+
+@pytest.mark.parametrize("wait", [0.29, 0.6])
+def test_a_run_at_95_percent_of_its_synthetic_rate_is_not_input_bound_whatever_it_waited(wait):
+    # Issue 34: 98% of the GPU's own rate (data.synthetic=true), waiting 29%, was told "raise to 8".
+    (finding,) = advise(epochs(wait, rate=3033), num_workers=4, cpus=16, synthetic_rate=3095)
+    assert finding.startswith(
+        "not input-bound: the run reached 98% of its synthetic rate (3033 of 3095 samples/s with "
+        "data.synthetic=true)"
+    )
+    assert suggested(finding) is None
+    # Below it, the wait counts, and the ratio is said beside it.
+    (finding,) = advise(epochs(wait, rate=3033), num_workers=4, cpus=16, synthetic_rate=4000)
+    assert finding.startswith("input-bound:") and "the run reached 76% of its synthetic rate" in finding
+    assert suggested(finding) is not None
+    # Near it and not waiting: nothing to say.
+    assert advise(epochs(0.05, rate=3033), num_workers=4, cpus=16, synthetic_rate=3095) == []

@@ -44,7 +44,7 @@ def test_one_run_is_a_table_per_epoch_with_its_advice_and_a_png_beside_it(two_ru
     text = capsys.readouterr().out
     assert text.splitlines()[1].split()[:5] == ["epoch", "acc", "top5", "loss", "samples/s"]
     assert [line.split()[0] for line in text.splitlines()[2:4]] == ["0", "1"]
-    assert "advice: input-bound: the training loop waited for batches 60% of the time" in text
+    assert "advice: input-bound: the training thread waited for batches 60% of the time" in text
     assert "raise data.num_workers from 0 to about 4" in text
     assert storage.read_bytes(f"{run}/report.png").startswith(b"\x89PNG")
 

@@ -96,7 +96,7 @@ def test_advice_names_what_to_change_only_when_it_applies():
     assert advise(records([0.6, 0.05, 0.04]), num_workers=2, cpus=8) == []  # epoch 0's wait is start-up
     (finding,) = advise(records([0.6, 0.5, 0.5]), num_workers=2, cpus=8)
     # Waiting half the time: the input gives half what the device takes; twice the workers, and a margin.
-    assert finding.startswith("input-bound: the training loop waited for batches 50% of the time")
+    assert finding.startswith("input-bound: the training thread waited for batches 50% of the time")
     assert "raise data.num_workers from 2 to about 5 (this host has 8 vCPUs)" in finding
     assert suggested_workers(0, 0.9) >= 10 and suggested_workers(4, 0.1) == 6
     assert "shard" not in finding

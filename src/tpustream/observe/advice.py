@@ -3,6 +3,11 @@
 The same findings at a run's end (the trainer logs them after its first
 measured epoch and when it finishes) and in ``tpustream-report``. Epoch 0 is
 left out when later epochs exist: it compiles and starts the loaders' workers.
+Input-bound is judged from the best evidence there is: the run's rate against
+its synthetic rate, then the device's own idle time, then the training
+thread's wait for batches, which alone cannot tell a starved device from a
+busy one (issue 34: a run at 98% of its GPU's own rate waited 29% of the time
+and was told to add workers).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ INPUT_BOUND = 0.2
 CHECKPOINT_HEAVY = 0.1
 # Headroom on the suggested worker count: the measured rates move from epoch to epoch.
 WORKER_MARGIN = 1.25
+# A run this close to its synthetic rate (data.synthetic=true: the same step fed from one
+# device-resident batch) has nothing left to gain from its input.
+SYNTHETIC_ENOUGH = 0.95
 
 
 def measured(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -60,6 +68,12 @@ class Host:
         return f"{self.cpus} vCPUs" + (f" for {replicas} replicas" if replicas > 1 else "")
 
 
+def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The mean of a field over the records that have it (None: none has)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
 def advise(
     records: Sequence[Mapping[str, Any]],
     num_workers: int | None = None,
@@ -68,27 +82,26 @@ def advise(
     max_workers: int | None = None,
     *,
     local_replicas: int | None = None,
+    synthetic_rate: float | None = None,
 ) -> list[str]:
     """Findings for these epoch records (metrics.jsonl lines); the run's settings when known.
 
     cpus and local_replicas: the training host's vCPUs and the replicas sharing
     them (None: unknown, e.g. read later by tpustream-report). max_workers: the
-    most workers a replica may have (its canonical streams).
+    most workers a replica may have (its canonical streams). synthetic_rate:
+    samples/s of the same configuration with data.synthetic=true.
     """
     steady = measured(records)
     if not steady:
         return []
     findings = []
-    waits = [r["input_wait_fraction"] for r in steady if r.get("input_wait_fraction") is not None]
-    if waits and sum(waits) / len(waits) > INPUT_BOUND:
-        wait = sum(waits) / len(waits)
-        worst = max(r.get("input_wait_fraction_worst", 0.0) for r in steady)
-        host = Host(cpus, local_replicas)
-        findings.append(
-            f"input-bound: the training loop waited for batches {100 * wait:.0f}% of the time "
-            f"(worst replica {100 * worst:.0f}%); "
-            + worker_change(num_workers, wait, host, shards_per_replica, max_workers)
-        )
+    host = Host(cpus, local_replicas)
+    starved = input_finding(steady, synthetic_rate)
+    if starved is not None:
+        finding, share = starved
+        if share is not None:
+            finding += "; " + worker_change(num_workers, share, host, shards_per_replica, max_workers)
+        findings.append(finding)
     first = records[0].get("compilations")
     later = [r for r in records[1:] if r.get("compilations") is not None and first is not None]
     if later and later[-1]["compilations"] > first:
@@ -108,6 +121,54 @@ def advise(
             "raise checkpoint.every_n_steps (or 0), or save to a closer bucket"
         )
     return findings
+
+
+def input_finding(
+    steady: Sequence[Mapping[str, Any]], synthetic_rate: float | None
+) -> tuple[str, float | None] | None:
+    """Whether the run is input-bound, and by which figure; None when there is nothing to say.
+
+    Returns the finding and the share of the loop the device lacked input
+    (None: not input-bound, and the finding says why not, against a wait that
+    looked like it). The finding names its figure: the device's idle time
+    (input_bound_fraction) says what the device did; the training thread's
+    wait (input_wait_fraction) is host-side, and a thread blocked on the
+    loader's queue while the device runs the steps already queued costs nothing.
+    """
+    device = mean_of(steady, "input_bound_fraction")
+    thread = mean_of(steady, "input_wait_fraction")
+    waited = worst = ""
+    if thread is not None:
+        waited = f"the training thread waited for batches {100 * thread:.0f}% of the time"
+        slowest = max(thread, *(r.get("input_wait_fraction_worst") or 0.0 for r in steady))
+        worst = f"worst replica {100 * slowest:.0f}%"
+    if device is not None:
+        share, figure = device, f"the device sat idle waiting for input {100 * device:.0f}% of the loop"
+    else:
+        share, figure = thread, f"{waited} ({worst}; host-side: the device may have been busy)"
+    starved = share is not None and share > INPUT_BOUND
+    looked_starved = starved or (thread is not None and thread > INPUT_BOUND)
+    rate = mean_of(steady, "global_rate")
+    if synthetic_rate and rate:
+        reached = (
+            f"the run reached {100 * rate / synthetic_rate:.0f}% of its synthetic rate "
+            f"({rate:.0f} of {synthetic_rate:.0f} samples/s with data.synthetic=true)"
+        )
+        if rate >= SYNTHETIC_ENOUGH * synthetic_rate:
+            if not looked_starved:
+                return None
+            though = figure if device is not None and starved else f"{waited} ({worst})"
+            return f"not input-bound: {reached}, though {though}; more workers cannot make it faster", None
+        figure += f"; {reached}"
+    if not starved:
+        if looked_starved:  # the thread waited, but the device's own figure says it was busy
+            return (
+                f"not input-bound: the device sat idle waiting for input only {100 * share:.0f}% of the "
+                f"loop, though {waited} ({worst}): the device was busy meanwhile; more workers cannot "
+                "make it faster"
+            ), None
+        return None
+    return f"input-bound: {figure}", share
 
 
 def worker_change(
