@@ -1,4 +1,4 @@
-"""observe.advice: input-bound by the best figure there is, workers within the host."""
+"""observe.advice: input-bound by the best figure there is, workers within the host, runs compared."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tpustream.observe.advice import advise, host_worker_cap
+from tpustream.observe.advice import advise, advise_runs, host_worker_cap
 
 
 def epochs(wait: float, rate: float = 3033.0, **fields) -> list[dict]:
@@ -95,3 +95,29 @@ def test_a_run_at_95_percent_of_its_synthetic_rate_is_not_input_bound_whatever_i
     assert suggested(finding) is not None
     # Near it and not waiting: nothing to say.
     assert advise(epochs(0.05, rate=3033), num_workers=4, cpus=16, synthetic_rate=3095) == []
+
+
+def test_runs_where_more_workers_were_slower_are_named_with_both_rates():
+    def run(workers: int, rate: float, **config) -> tuple[dict, list[dict]]:
+        flat = {"output_dir": f"/runs/{workers}", "data.num_workers": workers, "batch_size": 256} | config
+        return flat, [{"epoch": 0, "global_rate": rate / 2}, *epochs(0.29, rate)[1:]]
+
+    (finding,) = advise_runs([run(4, 3033), run(12, 2882)])
+    assert finding.startswith(
+        "too many workers: data.num_workers=12 ran at 2882 samples/s, slower than data.num_workers=4 at 3033"
+    )
+    assert "compete for the host's vCPUs" in finding
+    # Faster with more, or within the few percent runs differ by: nothing.
+    assert advise_runs([run(4, 2882), run(12, 3033)]) == []
+    assert advise_runs([run(4, 3033), run(12, 3000)]) == []
+    # A sweep of workers and batch sizes: each batch size's runs compared among themselves.
+    sweep = [run(4, 3033), run(12, 2882), run(4, 2000, batch_size=128), run(12, 2500, batch_size=128)]
+    assert len(advise_runs(sweep)) == 1
+    # Runs that differ in something else as well are not compared.
+    assert advise_runs([run(4, 3033), run(12, 2882, batch_size=128)]) == []
+    # Synthetic runs read no data: their workers say nothing.
+    synthetic = [
+        (config, [r | {"synthetic": True} for r in records])
+        for config, records in (run(4, 3033), run(12, 2882))
+    ]
+    assert advise_runs(synthetic) == []

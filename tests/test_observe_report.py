@@ -57,6 +57,22 @@ def test_runs_are_compared_by_the_config_values_that_differ(two_runs, tmp_path):
     assert w0.split() == ["w0", "80.0%", "200.0", "60.0%", "2", "data.num_workers=0"]
     assert w2.split() == ["w2", "80.0%", "200.0", "5.0%", "2", "data.num_workers=2"]
     assert (tmp_path / "all.png").read_bytes().startswith(b"\x89PNG")
+    assert "advice:" not in text  # the same rate with 0 and 2 workers
+
+
+def test_runs_where_more_workers_were_slower_say_so(tmp_path):
+    """Issue 34: 12 workers ran 5% slower than 4 on a 16-vCPU host, and nothing said so."""
+    runs = []
+    for workers, rate in ((4, 3033.0), (12, 2882.0)):
+        run = str(tmp_path / f"w{workers}")
+        write_metrics(run, [epoch(0, 0.5, 1000.0, 0.7), epoch(1, 0.8, rate, 0.29), epoch(2, 0.8, rate, 0.29)])
+        write_config(run, {"output_dir": run, "data": {"num_workers": workers}, "batch_size": 256})
+        runs.append(run)
+    advice = report(runs, None, draw=False).splitlines()[-1]
+    assert advice.startswith(
+        "advice: too many workers: data.num_workers=12 ran at 2882 samples/s, slower than "
+        "data.num_workers=4 at 3033"
+    )
 
 
 def test_a_hydra_multirun_folder_and_a_bucket_run_are_found(two_runs, tmp_path, bucket):

@@ -1,13 +1,13 @@
 """What to change, from a run's epoch records: one short line per finding, only when it applies.
 
 The same findings at a run's end (the trainer logs them after its first
-measured epoch and when it finishes) and in ``tpustream-report``. Epoch 0 is
-left out when later epochs exist: it compiles and starts the loaders' workers.
-Input-bound is judged from the best evidence there is: the run's rate against
-its synthetic rate, then the device's own idle time, then the training
-thread's wait for batches, which alone cannot tell a starved device from a
-busy one (issue 34: a run at 98% of its GPU's own rate waited 29% of the time
-and was told to add workers).
+measured epoch and when it finishes) and in ``tpustream-report``, which also
+compares runs (``advise_runs``). Epoch 0 is left out when later epochs exist:
+it compiles and starts the loaders' workers. Input-bound is judged from the
+best evidence there is: the run's rate against its synthetic rate, then the
+device's own idle time, then the training thread's wait for batches, which
+alone cannot tell a starved device from a busy one (issue 34: a run at 98%
+of its GPU's own rate waited 29% of the time and was told to add workers).
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ WORKER_MARGIN = 1.25
 # A run this close to its synthetic rate (data.synthetic=true: the same step fed from one
 # device-resident batch) has nothing left to gain from its input.
 SYNTHETIC_ENOUGH = 0.95
+# Steady rates of one configuration move by a few percent from run to run; a smaller gap
+# between two runs is not "slower".
+SLOWER_BY = 0.03
+WORKERS_KEY = "data.num_workers"
+# Keys in which every run differs from every other and which say nothing about its speed.
+RUN_FOLDERS = ("output_dir", "log_dir")
 
 
 def measured(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -223,3 +229,35 @@ def worker_change(
         f"raise data.num_workers from {num_workers} to {about}{target}{room}, or store fewer bytes "
         f"per sample{shards}"
     )
+
+
+def advise_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]]) -> list[str]:
+    """Findings across runs, each given as (its flattened config, its epoch records).
+
+    Runs alike in everything but data.num_workers are compared by their
+    steady rate: where one with more workers was slower than one with fewer,
+    adding workers was the wrong way on that host, whatever a single run's
+    wait for input suggested.
+    """
+    ignored = {WORKERS_KEY, *RUN_FOLDERS}
+    groups: dict[str, list[tuple[int, float]]] = {}
+    for config, records in runs:
+        workers, rate = config.get(WORKERS_KEY), mean_of(measured(records), "global_rate")
+        # A synthetic run (data.synthetic) trains from the device alone: its workers idle.
+        synthetic = any(r.get("synthetic") for r in records)
+        if isinstance(workers, bool) or not isinstance(workers, int) or rate is None or synthetic:
+            continue
+        rest = repr(sorted((key, repr(value)) for key, value in config.items() if key not in ignored))
+        groups.setdefault(rest, []).append((workers, rate))
+    findings = []
+    for group in groups.values():
+        fastest_workers, fastest = max(group, key=lambda run: run[1])
+        slower = sorted((w, r) for w, r in group if w > fastest_workers and r < fastest * (1 - SLOWER_BY))
+        if slower:
+            ran = " and ".join(f"data.num_workers={w} ran at {r:.0f} samples/s" for w, r in slower)
+            findings.append(
+                f"too many workers: {ran}, slower than data.num_workers={fastest_workers} at "
+                f"{fastest:.0f}: more workers compete for the host's vCPUs (and with each replica's "
+                f"loop); data.num_workers={fastest_workers} is the faster choice on that host"
+            )
+    return findings

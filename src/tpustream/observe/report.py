@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpustream import storage
-from tpustream.observe.advice import advise, measured
+from tpustream.observe.advice import advise, advise_runs, measured
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
 
@@ -174,6 +174,8 @@ def report(urls: Sequence[str], plot_url: str | None, draw: bool = True) -> str:
     else:
         text = comparison_table(runs)
         text += "".join(f"\n{run.name}: {run.note}" for run in runs if run.note)
+        findings = advise_runs([(flatten(run.config), run.records) for run in runs])
+        text += "".join(f"\nadvice: {finding}" for finding in findings)
         target = plot_url or "tpustream-report.png"
     if draw and any(run.records for run in runs):
         plot(runs, target)
