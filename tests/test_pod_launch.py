@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shlex
 import signal
@@ -19,13 +20,14 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from tests.test_pod_commands import OVERRIDES, alive, spec
 from tpustream.errors import PREEMPTED_EXIT_CODE
-from tpustream.pod import commands, interrupts, sync
+from tpustream.pod import commands, interrupts, sync, workers
 from tpustream.pod.__main__ import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,6 +197,23 @@ def sigint_default():
     signal.signal(signal.SIGINT, previous)
 
 
+def launched_processes(gcloud: Gcloud) -> list[int]:
+    """The live processes of this test's launches: all that the stub starts carry its log's path."""
+    marker = f"GCLOUD_STUB_LOG={gcloud.log}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if marker in environ and state != "Z":
+            found.append(int(entry))
+    return found
+
+
 def launch(tmp_path: Path, *options: str, command: list[str]) -> int:
     """main() with a workdir in tmp_path and short waits."""
     (tmp_path / "remote").mkdir(exist_ok=True)
@@ -359,6 +378,97 @@ def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, sigint_default,
     while any(alive(pid) for pid in hung) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(hung) == 4 and not any(alive(pid) for pid in hung)
+
+
+# Where a Ctrl-C used to escape the launcher's stopping of its workers, and how the
+# test puts it there: SIGINT to pytest's own process, which main() handles meanwhile.
+
+
+def _sigint_after_the_first_start(monkeypatch, gcloud, pids) -> None:
+    """Between starting worker 0's gcloud and recording it for stopping."""
+    real_start, sent = workers.start, []
+
+    def start(argv):
+        proc = real_start(argv)
+        if not sent:
+            sent.append(proc)
+            os.kill(os.getpid(), signal.SIGINT)
+        return proc
+
+    monkeypatch.setenv("FAKE_HANG", "0,1")
+    monkeypatch.setattr(workers, "start", start)
+
+
+def _sigint_while_stopping(monkeypatch, gcloud, pids) -> None:
+    """As the launcher stops worker 0 because worker 1 failed."""
+    real_stop, sent = workers.stop, []
+
+    def stop(proc):
+        if not sent:
+            sent.append(proc)
+            os.kill(os.getpid(), signal.SIGINT)
+        real_stop(proc)
+
+    gcloud.script(workers=2, ssh={"1": [1]})
+    monkeypatch.setenv("FAKE_HANG", "0")
+    monkeypatch.setenv("FAKE_WAIT_PIDS", "2")  # worker 1 fails once both run
+    monkeypatch.setattr(workers, "stop", stop)
+
+
+class _SigintWhenCollected:
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0)  # the handler runs here: a KeyboardInterrupt from a __del__ is printed and ignored
+
+
+def _sigint_lost_in_a_del(monkeypatch, gcloud, pids) -> None:
+    """While the launcher waits for the hung workers, inside a __del__, which swallows KeyboardInterrupt."""
+    sent = []
+
+    class Events(queue.Queue):
+        def get(self, *args, **kwargs):
+            if not sent and len(list(pids.glob("*.child"))) == 2:
+                sent.append(True)
+                _SigintWhenCollected()  # collected at once, on this (the main) thread
+            return super().get(*args, **kwargs)
+
+    monkeypatch.setenv("FAKE_HANG", "0,1")
+    monkeypatch.setattr(workers, "queue", types.SimpleNamespace(Queue=Events, Empty=queue.Empty))
+
+
+@pytest.mark.parametrize(
+    "window, summary",
+    [
+        (_sigint_after_the_first_start, "interrupted (Ctrl-C); worker(s) 0 stopped by the launcher"),
+        (
+            _sigint_while_stopping,
+            "interrupted (Ctrl-C); worker 1 exited with 1; worker(s) 0 stopped by the launcher",
+        ),
+        (_sigint_lost_in_a_del, "interrupted (Ctrl-C); worker(s) 0, 1 stopped by the launcher"),
+    ],
+    ids=["after-the-first-start", "while-stopping", "lost-in-a-del"],
+)
+def test_a_ctrl_c_at_any_moment_stops_every_worker_and_exits_130(
+    gcloud, fake_train, tmp_path, monkeypatch, capfd, sigint_default, window, summary
+):
+    """The launcher's handler records the Ctrl-C first; starting and stopping poll it instead of being cut.
+
+    Raised there, the KeyboardInterrupt left worker 0's gcloud and training running
+    (after-the-first-start, while-stopping: exit 130, no cleanup), or was lost and
+    the launch went on until the hung workers ended by themselves (lost-in-a-del).
+    """
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("FAKE_PID_DIR", str(pids))
+    window(monkeypatch, gcloud, pids)
+    code = launch(tmp_path, "--restart", command=[sys.executable, str(fake_train)])
+    _, err = capfd.readouterr()
+    assert code == 130, err
+    assert f"[launch] {summary}\n" in err
+    deadline = time.monotonic() + 5
+    while launched_processes(gcloud) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert launched_processes(gcloud) == []
 
 
 def test_sigint_handling_keeps_an_ignored_sigint_and_restores_the_handler(sigint_default):

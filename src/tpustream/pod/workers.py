@@ -16,9 +16,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tpustream.errors import PREEMPTED_EXIT_CODE, TpustreamError
+from tpustream.pod import interrupts
 from tpustream.pod.commands import (
     CONNECTION_LOST_EXIT_CODE,
     cleanup_command,
@@ -92,12 +93,14 @@ class AttemptResult:
 
 
 def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Console) -> AttemptResult:
-    """Run the command on every worker at once and wait for all, or for a failure.
+    """Run the command on every worker at once and wait for all, or for a failure or a Ctrl-C.
 
     After the first failure the others get ``spec.grace`` seconds to end by
     themselves (after a preemption each host saves and exits 75 on its own),
     then their gcloud processes are stopped: they would otherwise wait in a
-    collective for the failed host forever.
+    collective for the failed host forever. A Ctrl-C stops them at once. From
+    the first start to the last stop it is polled, not raised (interrupts.deferred),
+    so every gcloud started is stopped whenever it comes.
     """
     events: queue.Queue[tuple[int, int]] = queue.Queue()
     procs: dict[int, subprocess.Popen] = {}
@@ -109,40 +112,49 @@ def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Consol
             reader.join(STOP_TIMEOUT_SECONDS)  # its last lines come before the summary
         events.put((worker, code))
 
-    for worker, argv in enumerate(worker_commands(spec, num_workers, run_id)):
-        procs[worker] = proc = start(argv)
-        relays[worker] = console.follow(proc, f"[worker {worker}] ")
-        threading.Thread(target=wait, args=(worker, proc, relays[worker]), daemon=True).start()
-
     exits: dict[int, int] = {}
-    deadline: float | None = None
+    stopped: list[int] = []
     interrupted = False
-    try:
-        while len(exits) < num_workers and (deadline is None or time.monotonic() < deadline):
-            try:
-                worker, code = events.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            exits[worker] = code
-            if code != 0 and deadline is None and len(exits) < num_workers:
-                deadline = time.monotonic() + spec.grace
-                console.say(
-                    f"worker {worker} exited with {code}; the other workers get {spec.grace:g}s to end "
-                    "on their own before they are stopped"
-                )
-    except KeyboardInterrupt:
-        interrupted = True
-    stopped = []
-    for worker, proc in procs.items():
-        if worker in exits:
-            continue
-        stop(proc)
-        for reader in relays[worker]:
-            reader.join(STOP_TIMEOUT_SECONDS)
-        if proc.returncode is not None and proc.returncode >= 0 and not interrupted:
-            exits[worker] = proc.returncode  # it ended by itself just before being stopped
-        else:
-            stopped.append(worker)
+    with interrupts.deferred():
+        try:
+            for worker, argv in enumerate(worker_commands(spec, num_workers, run_id)):
+                if interrupts.received():
+                    break  # no training starts on the other hosts
+                procs[worker] = proc = start(argv)
+                relays[worker] = console.follow(proc, f"[worker {worker}] ")
+                threading.Thread(target=wait, args=(worker, proc, relays[worker]), daemon=True).start()
+            deadline: float | None = None
+            while (
+                len(exits) < num_workers
+                and not interrupts.received()
+                and (deadline is None or time.monotonic() < deadline)
+            ):
+                try:
+                    worker, code = events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                exits[worker] = code
+                if code != 0 and deadline is None and len(exits) < num_workers:
+                    deadline = time.monotonic() + spec.grace
+                    console.say(
+                        f"worker {worker} exited with {code}; the other workers get {spec.grace:g}s to "
+                        "end on their own before they are stopped"
+                    )
+        except KeyboardInterrupt:  # SIGINT left to Python: launch_pod called outside main()
+            interrupted = True
+        finally:  # also when a start fails: the workers started before it are stopped
+            interrupted = interrupted or interrupts.received()
+            for worker, proc in procs.items():
+                if worker in exits:
+                    continue
+                stop(proc)
+                for reader in relays[worker]:
+                    reader.join(STOP_TIMEOUT_SECONDS)
+                if proc.returncode is not None and proc.returncode >= 0 and not interrupted:
+                    exits[worker] = proc.returncode  # it ended by itself just before being stopped
+                else:
+                    stopped.append(worker)
+        interrupted = interrupted or interrupts.received()  # also one that came while stopping
     return AttemptResult(exits, tuple(stopped), interrupted)
 
 
@@ -170,7 +182,7 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
     """Run spec.command on every worker until it succeeds, fails for good or runs out of restarts.
 
     Returns 0 if every worker exited 0, else the exit code of the first worker
-    that failed (130 after Ctrl-C).
+    that failed (130 after Ctrl-C: see interrupts for how it is never lost).
     """
     require_gcloud(spec)
     console = Console()
@@ -196,12 +208,20 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
             sync(spec, console)  # again after a restart: a recreated TPU VM has new disks
         else:
             check_ssh(spec)
-        result = run_workers(spec, num_workers, run_id, console)
-        if result.ok:
-            console.say(f"all {num_workers} worker(s) exited with 0")
-            return 0
-        console.say(result.summary())
-        cleaned = cleanup(spec, run_id, console)
+        # From the first start to the end of the cleanup, the first Ctrl-C is only recorded:
+        # the workers are stopped and cleaned up after, as after a failure; a second one
+        # abandons the cleanup. One that comes as the workers end still counts (exit 130).
+        with interrupts.deferred(up_to=1):
+            result = run_workers(spec, num_workers, run_id, console)
+            if interrupts.received():
+                result = replace(result, interrupted=True)
+            if result.ok:
+                console.say(f"all {num_workers} worker(s) exited with 0")
+                return 0
+            console.say(result.summary())
+            cleaned = cleanup(spec, run_id, console)
+        if interrupts.received():  # during the cleanup, which it let finish
+            result = replace(result, interrupted=True)
         reason = result.restart_reason()
         if reason is None or not spec.restart:
             if reason:
