@@ -121,3 +121,14 @@ def test_runs_where_more_workers_were_slower_are_named_with_both_rates():
         for config, records in (run(4, 3033), run(12, 2882))
     ]
     assert advise_runs(synthetic) == []
+
+
+def test_the_vcpus_counted_are_the_ones_this_process_may_run_on(monkeypatch):
+    """A container or taskset given 4 of 64 cores sizes workers for 4 (os.cpu_count() says 64)."""
+    from tpustream.observe import advice
+
+    monkeypatch.setattr(advice.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(advice.os, "cpu_count", lambda: 64)
+    assert advice.usable_cpus() == 4
+    monkeypatch.delattr(advice.os, "sched_getaffinity")  # as on macOS
+    assert advice.usable_cpus() == 64

@@ -21,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from typing import Any
 
 from tpustream.config import Device, RuntimeKind, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import CanonicalPartition
-from tpustream.observe.advice import WORKER_MARGIN, host_worker_cap
+from tpustream.observe.advice import WORKER_MARGIN, host_worker_cap, usable_cpus
 from tpustream.observe.chips import Chip
 
 log = logging.getLogger(__name__)
@@ -171,7 +170,7 @@ def _choose(
     choice = choose_workers(
         worker_rate=rate,
         demand=replica_demand(flops, chip),
-        cpus=os.cpu_count() or 1,
+        cpus=usable_cpus(),
         local_replicas=replicas,
         shards_per_replica=shards,
     )

@@ -13,6 +13,7 @@ of its GPU's own rate waited 29% of the time and was told to add workers).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,19 @@ RUN_FOLDERS = ("output_dir", "log_dir")
 def measured(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The epochs that show steady state: all but epoch 0 when there are others."""
     return list(records[1:]) if len(records) > 1 else list(records)
+
+
+def usable_cpus() -> int:
+    """The vCPUs this process may run on: its affinity (a container's cpuset, taskset), not the machine's.
+
+    os.cpu_count() counts the whole machine, so on a host shared by pinned
+    jobs or a container given 8 of 64 cores it would size workers for cores
+    the run cannot use.
+    """
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
 
 
 def host_worker_cap(cpus: int, local_replicas: int | None = None) -> int:

@@ -21,7 +21,7 @@ import torch
 from tpustream import checkpoint, observe
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
-from tpustream.observe.advice import advise
+from tpustream.observe.advice import advise, usable_cpus
 from tpustream.observe.chips import chip_from_accelerator_type, mfu
 from tpustream.observe.flops import TRAINING_FACTOR
 from tpustream.runtime import Runtime
@@ -336,7 +336,7 @@ class EpochReporter:
             return
         self._write_run_file(checkpoint.write_metrics, history)
         if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
-            workers, cpus = self.cfg.data.num_workers, os.cpu_count()
+            workers, cpus = self.cfg.data.num_workers, usable_cpus()
             shards, streams = self.shards_per_replica, self.max_workers
             findings = advise(history, workers, cpus, shards, streams, local_replicas=self.local_replicas)
             for finding in findings:
