@@ -64,6 +64,9 @@ def main(cfg: DictConfig) -> None:
         log.warning("stopped before training started (%s)", exc)
         sys.exit(exc.exit_code)
     except Preempted as exc:
+        if cfg.data.synthetic:  # it saved nothing; run again, it measures again from the start
+            log.warning("stopped (%s); a synthetic run (data.synthetic) saves no progress", exc)
+            sys.exit(exc.exit_code)
         again = "run the same command" if cfg.resume != OVERWRITE_RESUME else "run it with resume=auto"
         log.warning(
             "preempted (%s); progress is in %s/checkpoints/last.pt: %s to continue",

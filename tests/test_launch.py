@@ -608,7 +608,7 @@ def test_the_last_line_names_the_epoch_best_pt_holds_with_both_accuracies(tmp_pa
 def test_a_fresh_start_names_the_earlier_runs_best_epoch_as_its_best_pt_holds_it(tmp_path):
     """Issue 33 (2): the earlier run's own ema.select_best (config.yaml) chose its best.pt, not this run's."""
     from tpustream.checkpoint import write_config, write_metrics
-    from tpustream.config import TrainConfig
+    from tpustream.config import DataConfig, TrainConfig
     from tpustream.launch.resume_checks import check_fresh_start
 
     out = str(tmp_path / "run")
@@ -619,4 +619,4 @@ def test_a_fresh_start_names_the_earlier_runs_best_epoch_as_its_best_pt_holds_it
         match=r"holds a run \(3 epoch\(s\), best validation accuracy 64.35% at epoch 2 of the weight "
         r"average, which best.pt follows \(ema.select_best=ema\); raw weights 8.36%\) that resume=null would",
     ):
-        check_fresh_start(TrainConfig(output_dir=out, resume=None))  # this run's ema.select_best: raw
+        check_fresh_start(TrainConfig(output_dir=out, resume=None, data=DataConfig()))  # select_best: raw

@@ -95,6 +95,16 @@ class DataConfig:
     # memory (shared with the DataLoader workers) instead of streaming shards
     # every epoch: same batches, no storage reads or decoding after the first.
     in_memory: bool = False
+    # Train on one batch of the data's shapes and label range, made once per
+    # replica and kept on the device: the run's own step (model, optimizer,
+    # precision, strategy, device augmentation, EMA) with no input pipeline,
+    # so its samples/s is the accelerator's rate, the yardstick for a real
+    # run's. Shapes from the shards' manifest when there are shards, else from
+    # num_classes, image_size and channels. No evaluation, no checkpoints;
+    # metrics.jsonl is marked "synthetic" (README: "Watching a run").
+    synthetic: bool = False
+    # data.synthetic: steps an epoch; null = the training split's steps, or 100 without shards.
+    synthetic_steps: int | None = None
 
     def check(self) -> None:
         """Each data.* field on its own (what needs the manifest is launch.checks.check_data's)."""
@@ -104,6 +114,8 @@ class DataConfig:
 
         for name in ("train_shards", "val_shards"):
             value = getattr(self, name)
+            if value is None and self.synthetic:
+                continue  # the batch's shapes are data.num_classes, image_size and channels
             if not (
                 isinstance(value, str)
                 or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
@@ -115,7 +127,7 @@ class DataConfig:
         check_label_key(self.label_key)
         if self.channels not in (None, 1, 3):
             raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {self.channels}")
-        for name in ("num_classes", "image_size"):
+        for name in ("num_classes", "image_size", "synthetic_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"data.{name} must be at least 1 (or null), got {value}")

@@ -257,7 +257,8 @@ def check_data(
         library=cfg.model.library,
         layer_groups=cfg.optim.layer_decay_on(),
     )
-    if world_size is not None and devices_per_replica is not None:
+    # A synthetic stand-in (data.synthetic without shards) has no samples to share out.
+    if world_size is not None and devices_per_replica is not None and train.shards:
         share = train.num_samples // world_size
         batch = replica_batch_size(cfg, devices_per_replica)
         if batch > share:

@@ -40,8 +40,10 @@ from tpustream.launch.resume_checks import (
     check_resume_fits,
     check_schedule_horizon,
 )
+from tpustream.launch.synthetic import synthetic_splits
 from tpustream.launch.workers import resolve_auto_workers
 from tpustream.observe.best import best_record, describe_best
+from tpustream.observe.synthetic import describe_synthetic, is_synthetic
 from tpustream.preemption import raise_if_stop_requested
 
 log = logging.getLogger(__name__)
@@ -122,12 +124,15 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     # A stop requested while the splits are read (counting a large unindexed
     # bucket takes minutes) ends the run before anything starts.
     raise_if_stop_requested("while the training split was read")
-    train = load_split_on_this_host(typed.data.train_shards, "train", options)
-    raise_if_stop_requested("while the training split was read")
-    val = load_split_on_this_host(typed.data.val_shards, "validation", options)
+    if typed.data.synthetic:
+        train, val = synthetic_splits(typed, plain, options)
+    else:
+        train = load_split_on_this_host(typed.data.train_shards, "train", options)
+        raise_if_stop_requested("while the training split was read")
+        val = load_split_on_this_host(typed.data.val_shards, "validation", options)
     raise_if_stop_requested("while the validation split was read")
     check_data(typed, train, val, known_world_size(typed), known_devices_per_replica(typed))
-    for manifest in (train, val):
+    for manifest in () if typed.data.synthetic else (train, val):
         log.info(
             "%s: %d samples in %d shard(s), %dx%d images; counts from %s",
             manifest.split,
@@ -138,7 +143,8 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         )
     resume_url = finished = resume_data_plan = resume_batch_size = None
     resume_step, resume_own, resume_epoch = 0, True, 0
-    resume = find_resume(typed.resume, typed.output_dir)
+    # A synthetic run never continues one: it starts fresh (check_fresh_start guards the folder).
+    resume = None if typed.data.synthetic else find_resume(typed.resume, typed.output_dir)
     resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
     if resume is None and not typed.eval_only:
         check_fresh_start(typed)
@@ -190,7 +196,8 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
         resume_epoch,
     )
     world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
-    if world_size is not None and devices is not None and not typed.eval_only and finished is None:
+    trains_shards = not (typed.eval_only or typed.data.synthetic)
+    if world_size is not None and devices is not None and trains_shards and finished is None:
         plan.partition(world_size, replica_batch_size(typed, devices))  # its errors, before spawning
     return plan
 
@@ -253,7 +260,13 @@ def read_final_metrics(output_dir: str, select_best: BestOf | str) -> dict[str, 
 
 
 def describe_result(result: dict[str, Any], output_dir: str) -> str:
-    """train.py's last line: the epoch best.pt holds (and by which weights), and where the checkpoints are."""
+    """train.py's last line: the epoch best.pt holds (and by which weights), and where the checkpoints are.
+
+    A synthetic run's: its rate, and that it wrote no checkpoints.
+    """
+    if is_synthetic(result["history"]):
+        rate = describe_synthetic(result["history"])
+        return f"{rate}; no checkpoints (data.synthetic), metrics in {output_dir}"
     best = result["best"]
     if best is None:  # eval_every=0
         return f"{len(result['history'])} epoch(s), no validation; checkpoints in {output_dir}"

@@ -15,10 +15,12 @@ from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import check_data, replica_batch_size
 from tpustream.launch.plan import RunPlan
+from tpustream.launch.synthetic import make_synthetic_sources
 from tpustream.launch.workers import local_replicas
 from tpustream.logs import setup_worker_logging
 from tpustream.models import create_model
 from tpustream.observe.best import best_record, describe_best
+from tpustream.observe.synthetic import describe_synthetic
 from tpustream.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
@@ -76,30 +78,12 @@ def model_builder(cfg: TrainConfig, train: ShardManifest) -> functools.partial:
     )
 
 
-def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
-    """Build the data, model and trainer of one replica and train."""
-    import torch
-
-    from tpustream.data.read.loader import close_loaders, make_loader
+def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tuple[Any, Any]:
+    """This replica's (train, validation) ShardStreams, their plan logged by the master."""
     from tpustream.data.read.plan import describe_partition
     from tpustream.data.read.stream import ShardStream
-    from tpustream.observe import start_profiler
-    from tpustream.observe.flops import training_flops_per_sample
-    from tpustream.training import make_trainer
 
     cfg = plan.cfg
-    devices = runtime.local_devices
-    mesh = f", driving {devices} devices as one GSPMD program" if devices > 1 else ""
-    where = (runtime.rank, runtime.world_size, runtime.device, os.getpid(), mesh)
-    log.info("replica %d of %d on %s (pid %d)%s", *where)
-    check_data(cfg, plan.train, plan.val, runtime.world_size, runtime.local_devices)
-    check_same_counts(runtime, plan.train, plan.val)
-    torch.manual_seed(cfg.seed)  # reproducible initial weights (broadcast from the master anyway)
-    # Device randomness (dropout and the like) differs per replica, reproducibly.
-    runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
-
-    replica_batch = replica_batch_size(cfg, runtime.local_devices)
-    partition = None if cfg.eval_only else plan.partition(runtime.world_size, replica_batch)
     note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers, partition)
     if note and runtime.is_master:
         log.warning("train: %s", note)
@@ -134,18 +118,14 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         )
         if not cfg.eval_only:
             log.info("train order: %s", describe_partition(partition, layout.global_batch_size))
-    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
-    height, width = plan.train.image_size
-    build = model_builder(cfg, plan.train)
-    model = build()
-    # The master reports it (metrics.jsonl, MFU): counted once, on the meta device.
-    model_flops = (
-        training_flops_per_sample(build, (plan.train.channels, height, width)) if runtime.is_master else None
-    )
-    if plan.pretrained is not None and plan.resume_url is None:
-        from tpustream.models.pretrained import load_pretrained
+    return train_stream, val_stream
 
-        load_pretrained(model, *plan.pretrained)
+
+def start_loaders(cfg: TrainConfig, runtime, train_stream, val_stream) -> tuple[Any, Any]:
+    """The streams' (train, validation) loaders, their workers started."""
+    from tpustream.data.read.loader import make_loader
+
+    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
     train_loader = make_loader(
         train_stream,
         cfg.data.num_workers,
@@ -162,6 +142,48 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     # import torch would kill them and fail the replica before it saves.
     train_loader.start_workers()
     val_loader.start_workers()
+    return train_loader, val_loader
+
+
+def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
+    """Build the data, model and trainer of one replica and train."""
+    import torch
+
+    from tpustream.data.read.loader import close_loaders
+    from tpustream.observe import start_profiler
+    from tpustream.observe.flops import training_flops_per_sample
+    from tpustream.training import make_trainer
+
+    cfg = plan.cfg
+    devices = runtime.local_devices
+    mesh = f", driving {devices} devices as one GSPMD program" if devices > 1 else ""
+    where = (runtime.rank, runtime.world_size, runtime.device, os.getpid(), mesh)
+    log.info("replica %d of %d on %s (pid %d)%s", *where)
+    check_data(cfg, plan.train, plan.val, runtime.world_size, runtime.local_devices)
+    check_same_counts(runtime, plan.train, plan.val)
+    torch.manual_seed(cfg.seed)  # reproducible initial weights (broadcast from the master anyway)
+    # Device randomness (dropout and the like) differs per replica, reproducibly.
+    runtime.set_rng_state(cfg.seed * 1_000_003 + runtime.rank)
+
+    replica_batch = replica_batch_size(cfg, runtime.local_devices)
+    synthetic = cfg.data.synthetic  # one batch on the device, no shards read (launch.synthetic)
+    partition = None if cfg.eval_only or synthetic else plan.partition(runtime.world_size, replica_batch)
+    streams = None if synthetic else shard_streams(plan, runtime, replica_batch, partition)
+    height, width = plan.train.image_size
+    build = model_builder(cfg, plan.train)
+    model = build()
+    # The master reports it (metrics.jsonl, MFU): counted once, on the meta device.
+    model_flops = (
+        training_flops_per_sample(build, (plan.train.channels, height, width)) if runtime.is_master else None
+    )
+    if plan.pretrained is not None and plan.resume_url is None:
+        from tpustream.models.pretrained import load_pretrained
+
+        load_pretrained(model, *plan.pretrained)
+    if streams is None:
+        train_loader, val_loader = make_synthetic_sources(cfg, plan.train, runtime, replica_batch)
+    else:
+        train_loader, val_loader = start_loaders(cfg, runtime, *streams)
     # Keep the server object alive for the whole run: torch_xla stops it when collected.
     profiler = start_profiler(cfg.debug.profiler_port, runtime.local_rank)
     try:
@@ -185,9 +207,12 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             trainer.reporter.max_workers = partition.per_replica(runtime.world_size)
         summary = trainer.fit()
     finally:
-        close_loaders(train_loader, val_loader)
+        if streams is not None:
+            close_loaders(train_loader, val_loader)
         del profiler
-    if runtime.is_master and not cfg.eval_only:
+    if runtime.is_master and synthetic:
+        log.info("finished: %s; no checkpoints (data.synthetic)", describe_synthetic(summary["history"]))
+    elif runtime.is_master and not cfg.eval_only:
         best = best_record(summary["history"], cfg.ema.select_best)  # the epoch best.pt holds
         if best is not None:
             log.info(

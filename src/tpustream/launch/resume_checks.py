@@ -24,6 +24,7 @@ from tpustream.config import BestOf, EpochsChange, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
 from tpustream.observe.best import best_record, describe_best, read_select_best
+from tpustream.observe.synthetic import describe_synthetic, is_synthetic
 from tpustream.training.epoch_order import describe_change
 from tpustream.training.schedule import SchedulePhase, describe_epochs_change, epochs_changed
 from tpustream.training.state import TrainState
@@ -44,6 +45,8 @@ def describe_run(history: list[dict[str, Any]], select_best: BestOf | str = Best
     """An earlier run in a few words, from its metrics.jsonl records, its best epoch as best.pt's."""
     if not history:
         return "no finished epoch"
+    if is_synthetic(history):
+        return f"a synthetic run, {len(history)} epoch(s); {describe_synthetic(history)}"
     text = f"{len(history)} epoch(s)"
     best = best_record(history, select_best)
     if best is not None:
@@ -72,10 +75,13 @@ def check_fresh_start(cfg: TrainConfig) -> None:
             ", ".join(found),
         )
         return
-    resume = cfg.resume or "null"
+    # Only a checkpoint continues; a synthetic run continues nothing (nor writes one to continue).
+    continues = not cfg.data.synthetic and any(name.startswith(checkpoint.CHECKPOINTS) for name in found)
+    this_run = "a synthetic run (data.synthetic)" if cfg.data.synthetic else f"resume={cfg.resume or 'null'}"
+    to_continue = "set resume=auto to continue it, " if continues else ""
     raise ConfigError(
-        f"output_dir {cfg.output_dir} holds a run ({held}) that resume={resume} would overwrite "
-        f"({', '.join(found)}): choose another output_dir, set resume=auto to continue it, or "
+        f"output_dir {cfg.output_dir} holds a run ({held}) that {this_run} would overwrite "
+        f"({', '.join(found)}): choose another output_dir, {to_continue}or "
         f"resume={OVERWRITE_RESUME} to delete it and start fresh"
     )
 

@@ -96,12 +96,17 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
         return read_final_metrics(plan.cfg.output_dir, plan.cfg.ema.select_best)
     configure_device_environment(plan.cfg)
     way = way_of_running(plan.cfg)
+    train, val = plan.train, plan.val
+    data = (
+        "synthetic data (data.synthetic)"
+        if plan.cfg.data.synthetic
+        else f"train {train.num_samples} samples in {len(train.shards)} shards, "
+        f"validation {val.num_samples} samples"
+    )
     log.info(
-        "launching %s; train %d samples in %d shards, validation %d samples; output %s%s",
+        "launching %s; %s; output %s%s",
         _describe(plan.cfg, way),
-        plan.train.num_samples,
-        len(plan.train.shards),
-        plan.val.num_samples,
+        data,
         plan.cfg.output_dir,
         f"; resuming from {plan.resume_url}" if plan.resume_url else "",
     )

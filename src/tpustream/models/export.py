@@ -291,6 +291,18 @@ def write_model_files(
         json.dump(description, file, indent=2)
 
 
+def refuse_synthetic_run(run: str, url: str) -> None:
+    """A synthetic run's folder (data.synthetic) has no checkpoint: say why, not that one is missing."""
+    from tpustream.checkpoint import read_metrics
+    from tpustream.observe.synthetic import is_synthetic
+
+    if not run.endswith(".pt") and not storage.exists(url) and is_synthetic(read_metrics(run)):
+        raise ConfigError(
+            f"{run} is a synthetic run (data.synthetic): it trained on one generated batch, not on data, "
+            "and wrote no checkpoint to export"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpustream-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a run folder (local or gs://), or a checkpoint file")
@@ -314,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = run if run.endswith(".pt") else storage.join(run, "checkpoints", f"{args.checkpoint}.pt")
     out = storage.absolute(args.out) if args.out else storage.join(run, EXPORT_FOLDER)
     try:
+        refuse_synthetic_run(run, url)
         names = export_checkpoint(url, out, args.weights, args.image_size)
     except TpustreamError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ from tpustream import storage
 from tpustream.observe.advice import advise, advise_runs, measured
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
+from tpustream.observe.synthetic import describe_synthetic, is_synthetic
 
 __all__ = ["Run", "find_runs", "main", "report"]
 
@@ -89,6 +90,8 @@ def epoch_table(run: Run) -> str:
     best = best_record(run.records, select_best)
     if best is not None:
         lines.append(f"best.pt: validation accuracy {describe_best(best, select_best)}")
+    if is_synthetic(run.records):  # no accuracy: its rate is the yardstick for real runs of its config
+        lines.append(f"{describe_synthetic(run.records)} (data.synthetic: one batch on the device, no data)")
     return "\n".join(lines)
 
 
@@ -118,8 +121,9 @@ def comparison_table(runs: Sequence[Run]) -> str:
         rate_text = "-" if rate is None else f"{rate:.1f}"
         chosen = f"{best['epoch']} {select_best.value}" if best else "-"
         ema = f" {percent(best.get('ema_val_accuracy')):>8} {chosen:>8}" if average else ""
+        accuracy = "synth." if is_synthetic(run.records) else percent(best.get("val_accuracy"))
         lines.append(
-            f"{run.name[:24]:<24} {percent(best.get('val_accuracy')):>8}{ema} {rate_text:>10} "
+            f"{run.name[:24]:<24} {accuracy:>8}{ema} {rate_text:>10} "
             f"{percent(wait):>7} {len(run.records):>6}  {overrides}"
         )
     return "\n".join(lines)
@@ -174,6 +178,9 @@ def report(urls: Sequence[str], plot_url: str | None, draw: bool = True) -> str:
     else:
         text = comparison_table(runs)
         text += "".join(f"\n{run.name}: {run.note}" for run in runs if run.note)
+        synthetic = [run.name for run in runs if is_synthetic(run.records)]
+        if synthetic:
+            text += f"\nsynth.: data.synthetic ({', '.join(synthetic)}): the accelerator's rate without input"
         findings = advise_runs([(flatten(run.config), run.records) for run in runs])
         text += "".join(f"\nadvice: {finding}" for finding in findings)
         target = plot_url or "tpustream-report.png"

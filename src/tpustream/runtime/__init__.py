@@ -49,6 +49,7 @@ class Runtime(Protocol):
         """Iterate loader with batches already on the device (and a step boundary per batch).
 
         wait: gets the time the caller waited for each batch (observe.timing).
+        A resident loader's batch is placed once and handed out as it is (runtime.resident).
         """
 
     def place(self, tensors: Iterable[torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from tpustream.observe.timing import InputWait
 from tpustream.observe.xla import compilation_count, compile_seconds
+from tpustream.runtime.resident import is_resident, resident_batches
 
 # The variable torch_xla's jax workaround sets and pops around every xp.Trace (timed_parallel_loader).
 MEGASCALE_SKIP = "SKIP_MEGASCALE_PJRT_CLIENT"
@@ -125,7 +126,18 @@ class XlaDevice:
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass  # one device: a tensor is where it was copied to
 
+    def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch on this device, copied as the device loader's thread copies each one."""
+        import torch_xla.core.xla_model as xm
+
+        return xm.send_cpu_data_to_device([batch], self.device)[0]
+
     def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
+        if is_resident(loader):  # data.synthetic: one batch, kept on the device
+            import torch_xla
+
+            yield from resident_batches(loader, self.place_batch, wait, torch_xla.sync)
+            return
         # MpDeviceLoader's ParallelLoader moves batches on a background thread and
         # marks a step at every batch, so the training loop never syncs explicitly.
         # If the loader raises on that thread, torch_xla 2.9 closes the queue as if

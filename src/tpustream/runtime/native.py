@@ -18,6 +18,7 @@ import torch.nn as nn
 from tpustream.observe.timing import InputWait, timed
 from tpustream.runtime.device import map_tensors, to_host
 from tpustream.runtime.gloo import HostCollectives, average_flat
+from tpustream.runtime.resident import is_resident, resident_batches
 
 # A CUDA generator's state: its seed and Philox offset, 8 bytes each.
 CUDA_RNG_STATE_BYTES = 16
@@ -94,7 +95,14 @@ class NativeRuntime(HostCollectives):
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass
 
+    def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch on this replica's device in the model's memory layout, as the loader copies each one."""
+        return self._laid_out(batch if self.device.type == "cpu" else _to_device(batch, self.device))
+
     def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
+        if is_resident(loader):  # data.synthetic: one batch, kept on the device; eager: no step to mark
+            yield from resident_batches(loader, self.place_batch, wait)
+            return
         batches = timed(loader, wait)
         if self.device.type == "cpu":
             yield from map(self._laid_out, batches)  # the batch is where the model is

@@ -28,6 +28,7 @@ import torch.nn as nn
 from tpustream.observe.timing import InputWait
 from tpustream.runtime.device import ErrorKeepingIterable, XlaDevice, timed_parallel_loader, to_host
 from tpustream.runtime.gloo import HostCollectives
+from tpustream.runtime.resident import is_resident
 
 
 def fsdp_partition_spec(shape: Sequence[int], axis: str) -> tuple[str | None, ...]:
@@ -203,7 +204,18 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         for tensor in tensors:
             xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
 
+    def place_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch split over the mesh as the device loader's thread sends each one (minibatch sharding)."""
+        import torch_xla.core.xla_model as xm
+
+        sharding = _BatchSharding(self.mesh, self.axis)
+        sharding.note(batch)
+        return {key: xm.send_cpu_data_to_device(t, self.device, sharding[key])[0] for key, t in batch.items()}
+
     def device_loader(self, loader: Iterable, wait: InputWait | None = None) -> Iterator:
+        if is_resident(loader):  # data.synthetic: sharded once, then XlaDevice's per-step marks
+            yield from XlaDevice.device_loader(self, loader, wait)
+            return
         sharding = _BatchSharding(self.mesh, self.axis)
         source = ErrorKeepingIterable(_NotedBatches(loader, sharding))
         yield from timed_parallel_loader(source, self.device, wait, input_sharding=sharding)

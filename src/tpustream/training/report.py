@@ -96,6 +96,8 @@ class EpochRecord:
     model_flops_per_sample: int | None = None
     # Model FLOPs utilisation of the epoch's global rate against the TPU chips' bf16 peak.
     mfu: float | None = None
+    # data.synthetic: trained on one device-resident batch, not data (no accuracy, no checkpoints).
+    synthetic: bool | None = None
 
     @property
     def evaluated(self) -> bool:
@@ -311,6 +313,8 @@ class EpochReporter:
             f"best{'' if self.cfg.ema.select_best == 'raw' else ' ema'}={100 * best_accuracy:.2f}% "
             f"(epoch {best_epoch})"
             if record.evaluated
+            else "val: none (data.synthetic)"
+            if record.synthetic
             else "val: not this epoch (eval_every)"
         )
         # Every replica computes the same reduced numbers; one line per epoch is enough.

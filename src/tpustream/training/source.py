@@ -2,8 +2,9 @@
 
 The trainer sees a split only through this interface, never through the
 DataLoader or the dataset behind it, so the loop can be driven by any source
-of batches (``data.read.loader.CountingLoader`` in a run, in-memory batches in
-tests).
+of batches (``data.read.loader.CountingLoader`` in a run,
+``data.read.synthetic.SyntheticSource`` under data.synthetic, in-memory
+batches in tests).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ class EpochSource(Protocol):
     """One replica's batches of one split, one epoch (or the rest of one) per pass.
 
     Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
-    float32 (B,)}, 1 for the samples that count in loss and metrics.
+    float32 (B,)}, 1 for the samples that count in loss and metrics. A source
+    whose batch stays on the device says so with ``resident = True`` and a
+    ``place(move)`` method (data.read.synthetic; runtime.resident).
     """
 
     # Places bad data left empty in the last pass (a report, not used in training).

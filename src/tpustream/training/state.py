@@ -15,6 +15,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,11 +293,19 @@ class CheckpointWriter:
             cfg.log_dir or tempfile.gettempdir(), "unsaved"
         )
         self.unsaved: list[str] = []
+        # data.synthetic trained on no data: weights nobody should take for a model, and
+        # nothing to resume (its run restarts in seconds). Every replica skips alike.
+        self.writes = not cfg.data.synthetic
 
-    def save(self, name: str, content: dict[str, Any]) -> None:
-        """Write checkpoint `name` (every replica calls this; the master writes)."""
+    def save(self, name: str, state: Callable[[], dict[str, Any]]) -> None:
+        """Write checkpoint `name` of state() (every replica calls this; the master writes).
+
+        state is a collective, taken only when something is written.
+        """
+        if not self.writes:
+            return
         url = checkpoint.checkpoint_url(self.output_dir, name)
-        kept = checkpoint.save_checkpoint(self.runtime, url, content, self.fallback_dir)
+        kept = checkpoint.save_checkpoint(self.runtime, url, state(), self.fallback_dir)
         if kept:
             self.unsaved.append(kept)
 

@@ -291,7 +291,7 @@ class Trainer:
 
     def _save(self, name: str) -> None:
         start = time.time()
-        self.checkpoints.save(name, self.checkpoint_state())
+        self.checkpoints.save(name, self.checkpoint_state)
         self.checkpoint_seconds += time.time() - start
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
@@ -423,6 +423,7 @@ class Trainer:
             setup_seconds=self.reporter.setup_seconds if first_end else None,
             model_flops_per_sample=self.reporter.model_flops,
             mfu=self.reporter.mfu(metrics["global_rate"]),
+            synthetic=self.cfg.data.synthetic or None,
         )
         self.history.append(record.to_dict())
         self.reporter.report_epoch(
