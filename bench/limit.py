@@ -1,0 +1,157 @@
+"""How far a configuration runs from the accelerator's own rate, and how much of the gap the input is.
+
+    python -m bench.limit [--epochs 3] [--rounds 1] [--out DIR] [--dry-run] -- TRAIN_PY_OVERRIDE ...
+
+Runs `python train.py OVERRIDES` twice per round, first with data.synthetic=true
+(the same step on one batch resident on the device: the accelerator's own
+rate for this model, batch, precision and strategy), then with its data, and
+prints their steady rates (epochs after the first, as bench.ab), the ratio,
+the input-bound share that ratio implies (1 - real / synthetic), and the
+shares the real run measured itself: the device's idle time waiting for input
+(input_bound_fraction, where the accelerator can measure it) and the training
+thread's wait for batches (input_wait_fraction, host-side). Both runs skip
+evaluation (eval_every=0): only the training loop's rate is compared.
+results.json in --out (default bench/results/limit/<time>) keeps every number
+with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.ab import REPO, steady_rate, train_command
+
+KINDS = ("synthetic", "real")
+# Both runs: no evaluation (only the loop's rate counts), and their own folders.
+COMMON = ("eval_every=0",)
+
+
+def steady(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The epochs rates are read from: all but epoch 0 (workers start, graphs compile) if there are others."""
+    return list(records[1:] if len(records) > 1 else records)
+
+
+def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The mean of `key` over records that have it (None: the run measured no such figure)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarise(synthetic: Sequence[float], real: Sequence[float], measured: dict[str, Any]) -> dict[str, Any]:
+    """The comparison: mean rates over rounds, ratio, implied and measured input-bound shares."""
+    synthetic_rate, real_rate = statistics.fmean(synthetic), statistics.fmean(real)
+    ratio = real_rate / synthetic_rate
+    return {
+        "samples_per_second": {"synthetic": list(synthetic), "real": list(real)},
+        "synthetic_rate": synthetic_rate,
+        "real_rate": real_rate,
+        "of_synthetic": ratio,
+        "implied_input_bound": max(0.0, 1.0 - ratio),
+        **measured,
+    }
+
+
+def describe(summary: Mapping[str, Any]) -> str:
+    """The printed lines."""
+
+    def share(key: str) -> str:
+        value = summary.get(key)
+        return "not measured here" if value is None else f"{100 * value:.1f}%"
+
+    return "\n".join(
+        [
+            f"synthetic (data.synthetic=true): {summary['synthetic_rate']:.1f} samples/s",
+            f"real:                            {summary['real_rate']:.1f} samples/s",
+            f"real / synthetic:                {summary['of_synthetic']:.3f}",
+            f"input-bound, implied:            {100 * summary['implied_input_bound']:.1f}% "
+            "(1 - real/synthetic)",
+            f"input-bound, measured:           {share('input_bound_fraction')} "
+            "(the device idle for input: input_bound_fraction)",
+            f"host wait for batches:           {share('input_wait_fraction')} "
+            "(the training thread's, host-side: input_wait_fraction)",
+        ]
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.limit",
+        description=__doc__.splitlines()[0],
+        usage="%(prog)s [options] [-- TRAIN_PY_OVERRIDE ...]",
+    )
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3; epoch 0 left out)")
+    parser.add_argument("--rounds", type=int, default=1, help="synthetic-real pairs, alternating (default 1)")
+    parser.add_argument("--out", type=Path, help="results folder (default bench/results/limit/<time>)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    if args.rounds < 1 or args.epochs < 2:
+        parser.error("--rounds must be at least 1 and --epochs at least 2 (epoch 0 is left out)")
+    args.overrides = list(argv[split + 1 :])
+    if any(o.split("=", 1)[0].lstrip("+~") == "data.synthetic" for o in args.overrides):
+        parser.error("leave data.synthetic out of the overrides: each pair runs it both ways")
+    return args
+
+
+def commands(args: argparse.Namespace, runs: Path) -> list[tuple[str, Path, list[str]]]:
+    """(kind, run folder, train.py command) in the order they run: synthetic, then real, per round."""
+    planned = []
+    for n in range(args.rounds):
+        for kind in KINDS:
+            folder = runs / f"{kind}-{n}"
+            overrides = [*args.overrides, *COMMON, f"data.synthetic={str(kind == 'synthetic').lower()}"]
+            planned.append((kind, folder, train_command(REPO, folder, args.epochs, overrides)))
+    return planned
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = (args.out or REPO / "bench" / "results" / "limit" / stamp).resolve()
+    planned = commands(args, out / "runs")
+    if args.dry_run:
+        for _, _, command in planned:
+            print(shlex.join(command))
+        return 0
+    rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    real_records: list[dict[str, Any]] = []
+    for kind, folder, command in planned:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{kind} run {folder.name}: train.py exited with {done.returncode}")
+        with open(folder / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        rates[kind].append(steady_rate(records))
+        if kind == "real":
+            real_records.extend(steady(records))
+        print(f"{folder.name}: {rates[kind][-1]:.1f} samples/s", flush=True)
+    measured = {key: mean_of(real_records, key) for key in ("input_bound_fraction", "input_wait_fraction")}
+    summary = summarise(rates["synthetic"], rates["real"], measured)
+    summary.update(
+        command=shlex.join(["python", "-m", "bench.limit", *argv]),
+        measured=datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
+        cpus=os.cpu_count(),
+        overrides=args.overrides,
+        epochs=args.epochs,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(describe(summary))
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
