@@ -176,3 +176,32 @@ def test_the_weight_average_is_shown_beside_the_raw_weights_and_best_pt_is_named
     assert header.split()[:6] == ["run", "best", "acc", "ema", "acc", "best.pt"]
     assert rows[0].split()[:5] == ["w0", "80.0%", "-", "1", "raw"]
     assert rows[2].split()[:5] == ["ema", "9.8%", "64.3%", "1", "ema"]
+
+
+def synthetic_twin(tmp_path, name: str, rates: tuple[float, ...], **config) -> str:
+    """A synthetic run (data.synthetic) of rates per epoch; config: its keys apart from data."""
+    run = str(tmp_path / name)
+    records = [{**epoch(e, 0.0, rate, 0.0), "synthetic": True} for e, rate in enumerate(rates)]
+    for record in records:
+        del record["val_accuracy"], record["val_top5"], record["val_loss"]
+    write_metrics(run, records)
+    write_config(run, {"output_dir": run, "data": {"synthetic": True, "num_workers": 0}, **config})
+    return run
+
+
+def test_a_run_given_with_its_synthetic_twin_shows_each_epochs_share_of_its_rate(two_runs, tmp_path):
+    """Issue 34 (3): how far each epoch ran from the device's own rate for the same step."""
+    twin = synthetic_twin(tmp_path, "synthetic", (100.0, 250.0, 250.0), batch_size=8)
+    text = report([two_runs[0], twin], None, draw=False)
+    rows = text.splitlines()
+    assert rows[1].split()[:6] == ["epoch", "acc", "top5", "loss", "samples/s", "of"]
+    assert rows[2].split()[5] == "0.40" and rows[3].split()[5] == "0.80"  # 100 and 200 of 250
+    assert "of synth.: the epoch's rate over its synthetic twin's 250.0 samples/s" in text
+    # Over several runs, a column; a synthetic run of another step (batch) is nobody's twin.
+    other = synthetic_twin(tmp_path, "other", (100.0, 400.0), batch_size=16)
+    table = report([*two_runs, twin, other], None, draw=False).splitlines()
+    assert table[0].split()[4:6] == ["of", "synth."]
+    assert table[1].split()[:5] == ["w0", "80.0%", "200.0", "0.80", "60.0%"]
+    assert table[3].split()[:5] == ["synthetic", "synth.", "250.0", "-", "0.0%"]
+    alone = report([two_runs[0], other], None, draw=False)
+    assert "of synth." not in alone

@@ -20,7 +20,7 @@ from tpustream import storage
 from tpustream.observe.advice import advise, advise_runs, measured
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
-from tpustream.observe.synthetic import describe_synthetic, is_synthetic
+from tpustream.observe.synthetic import describe_synthetic, is_synthetic, synthetic_twin_rate
 
 __all__ = ["Run", "find_runs", "main", "report"]
 
@@ -72,18 +72,27 @@ def compiles_per_epoch(records: Sequence[Mapping[str, Any]]) -> list[int | None]
     return compiles
 
 
-def epoch_table(run: Run) -> str:
-    """A row per epoch; the weight average's accuracy beside the raw one's where the run has one."""
+def of_synthetic(rate: float | None, synthetic_rate: float | None) -> str:
+    """A rate as a share of its synthetic twin's (the device's own rate for the same step)."""
+    return "-" if rate is None or not synthetic_rate else f"{rate / synthetic_rate:.2f}"
+
+
+def epoch_table(run: Run, synthetic_rate: float | None = None) -> str:
+    """A row per epoch; the weight average's accuracy beside the raw one's where the run has one.
+
+    synthetic_rate: its synthetic twin's steady rate, for each epoch's share of it ("of synth.").
+    """
     average = has_average([run])
     columns = [("epoch", 5), ("acc", 7), *([("ema acc", 7)] if average else []), ("top5", 7), ("loss", 8)]
-    columns += [("samples/s", 10), ("input", 7), ("MFU", 6)]
+    columns += [("samples/s", 10), *([("of synth.", 9)] if synthetic_rate else []), ("input", 7), ("MFU", 6)]
     lines = [" ".join(f"{name:>{width}}" for name, width in columns) + " compiles"]
     for r, compiles in zip(run.records, compiles_per_epoch(run.records), strict=True):
         loss = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
         ema = f" {percent(r.get('ema_val_accuracy')):>7}" if average else ""
+        share = f" {of_synthetic(r.get('global_rate'), synthetic_rate):>9}" if synthetic_rate else ""
         lines.append(
             f"{r['epoch']:>5} {percent(r.get('val_accuracy')):>7}{ema} {percent(r.get('val_top5')):>7} "
-            f"{loss:>8} {r.get('global_rate', 0):>10.1f} {percent(r.get('input_wait_fraction')):>7} "
+            f"{loss:>8} {r.get('global_rate', 0):>10.1f}{share} {percent(r.get('input_wait_fraction')):>7} "
             f"{percent(r.get('mfu')):>6} {'-' if compiles is None else compiles:>8}"
         )
     select_best = select_best_of(run.config)
@@ -99,7 +108,7 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def comparison_table(runs: Sequence[Run]) -> str:
+def comparison_table(runs: Sequence[Run], twins: Mapping[str, float | None] | None = None) -> str:
     """A row per run: the accuracy of the epoch its best.pt holds, its speed, what differs.
 
     Where a run has a weight average: the average's accuracy in that epoch
@@ -108,8 +117,13 @@ def comparison_table(runs: Sequence[Run]) -> str:
     """
     keys = differing(runs)
     average = has_average(runs)
+    twins = {name: rate for name, rate in (twins or {}).items() if rate}
     ema_header = f" {'ema acc':>8} {'best.pt':>8}" if average else ""
-    lines = [f"{'run':<24} {'best acc':>8}{ema_header} {'samples/s':>10} {'input':>7} {'epochs':>6}  differs"]
+    synth_header = f" {'of synth.':>9}" if twins else ""
+    lines = [
+        f"{'run':<24} {'best acc':>8}{ema_header} {'samples/s':>10}{synth_header} {'input':>7} {'epochs':>6}"
+        "  differs"
+    ]
     for run in runs:
         steady = measured(run.records)
         select_best = select_best_of(run.config)
@@ -122,8 +136,9 @@ def comparison_table(runs: Sequence[Run]) -> str:
         chosen = f"{best['epoch']} {select_best.value}" if best else "-"
         ema = f" {percent(best.get('ema_val_accuracy')):>8} {chosen:>8}" if average else ""
         accuracy = "synth." if is_synthetic(run.records) else percent(best.get("val_accuracy"))
+        share = f" {of_synthetic(rate, twins.get(run.name)):>9}" if twins else ""
         lines.append(
-            f"{run.name[:24]:<24} {accuracy:>8}{ema} {rate_text:>10} "
+            f"{run.name[:24]:<24} {accuracy:>8}{ema} {rate_text:>10}{share} "
             f"{percent(wait):>7} {len(run.records):>6}  {overrides}"
         )
     return "\n".join(lines)
@@ -167,16 +182,26 @@ def plot(runs: Sequence[Run], url: str) -> None:
 
 def report(urls: Sequence[str], plot_url: str | None, draw: bool = True) -> str:
     runs = [run for url in urls for run in find_runs(url)]
-    if len(runs) == 1:
-        (run,) = runs
+    pairs = [(run.config, run.records) for run in runs]
+    # A real run given with its synthetic twin (data.synthetic, the same step): its share of that rate.
+    twins = {
+        run.name: synthetic_twin_rate(run.config, pairs) for run in runs if not is_synthetic(run.records)
+    }
+    real = [run for run in runs if not is_synthetic(run.records)]
+    if len(runs) == 1 or (len(real) == 1 and twins[real[0].name] is not None):
+        (run,) = real or runs
+        synthetic_rate = twins.get(run.name)
         config = run.config.get("data", {})
-        findings = advise(run.records, config.get("num_workers"))
-        text = "\n".join(part for part in (run.url, run.records and epoch_table(run), run.note) if part)
+        findings = advise(run.records, config.get("num_workers"), synthetic_rate=synthetic_rate)
+        table = run.records and epoch_table(run, synthetic_rate)
+        text = "\n".join(part for part in (run.url, table, run.note) if part)
+        if synthetic_rate:
+            text += f"\nof synth.: the epoch's rate over its synthetic twin's {synthetic_rate:.1f} samples/s"
         if findings:
             text += "\n" + "\n".join(f"advice: {finding}" for finding in findings)
         target = plot_url or storage.join(run.url, "report.png")
     else:
-        text = comparison_table(runs)
+        text = comparison_table(runs, twins)
         text += "".join(f"\n{run.name}: {run.note}" for run in runs if run.note)
         synthetic = [run.name for run in runs if is_synthetic(run.records)]
         if synthetic:

@@ -12,6 +12,27 @@ from typing import Any
 
 from tpustream.observe.advice import measured
 
+# Config keys a synthetic run's rate does not depend on: where the data comes from and
+# how it is read (data.*: its shapes are the data's), where the run writes, how long it
+# runs, whether it evaluates and what it logs. Everything else (model, optimizer,
+# precision, strategy, batch, accelerator, augmentation, EMA) makes the step it measures.
+NOT_THE_STEP = (
+    "data",
+    "output_dir",
+    "log_dir",
+    "epochs",
+    "eval_every",
+    "early_stop_patience",
+    "resume",
+    "eval_only",
+    "checkpoint",
+    "log_steps",
+    "tensorboard",
+    "debug",
+    "xla_cache_dir",
+    "seed",
+)
+
 
 def is_synthetic(records: Iterable[Mapping[str, Any]]) -> bool:
     """Whether metrics.jsonl records (or a checkpoint's history) are a synthetic run's."""
@@ -38,3 +59,35 @@ def describe_synthetic(records: Sequence[Mapping[str, Any]]) -> str:
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     mfu = f", MFU {100 * sum(mfus) / len(mfus):.1f}%" if mfus else ""
     return f"synthetic: {rate:.1f} samples/s ({epochs}), step {1000 * step:.1f} ms{mfu}"
+
+
+def steady_rate(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Mean global samples/s of the steady epochs (None without an epoch)."""
+    rates = [r["global_rate"] for r in measured(records) if r.get("global_rate") is not None]
+    return sum(rates) / len(rates) if rates else None
+
+
+def the_step(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's keys that make the training step a synthetic run measures (flattened)."""
+
+    def flat(section: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in section.items():
+            name = f"{prefix}{key}"
+            if name.split(".", 1)[0] in NOT_THE_STEP:
+                continue
+            out.update(flat(value, f"{name}.") if isinstance(value, Mapping) else {name: value})
+        return out
+
+    return flat(config, "")
+
+
+def synthetic_twin_rate(
+    config: Mapping[str, Any], others: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]]
+) -> float | None:
+    """The steady rate of a synthetic run, among (config, records) `others`, of the same step as config."""
+    step = the_step(config)
+    for other_config, records in others:
+        if is_synthetic(records) and the_step(other_config) == step:
+            return steady_rate(records)
+    return None
