@@ -40,6 +40,7 @@ from tpustream.launch.resume_checks import (
     check_resume_fits,
     check_schedule_horizon,
 )
+from tpustream.launch.run_model import meta_model
 from tpustream.launch.synthetic import synthetic_splits
 from tpustream.launch.workers import resolve_auto_workers
 from tpustream.observe.best import best_record, describe_best
@@ -221,21 +222,9 @@ def global_batch_error(saved_plan: dict[str, int], world_size: int, devices: int
 
 def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str, list[str]]:
     """model.pretrained read once on this host and checked against the model (built on the meta device)."""
-    import torch
-
-    from tpustream.models import create_model
     from tpustream.models.pretrained import fetch_library_pretrained, fetch_pretrained, library_weights
 
-    height, width = train.image_size
-    with torch.device("meta"):
-        model = create_model(
-            cfg.model.name,
-            num_classes=train.num_classes,
-            image_size=max(height, width),
-            channels=train.channels,
-            library=cfg.model.library,
-            **cfg.model.options,
-        )
+    model = meta_model(cfg, train)
     library = ModelLibrary(cfg.model.library).value
     weights = library_weights(library, cfg.model.name, cfg.model.pretrained)
     if weights is None:

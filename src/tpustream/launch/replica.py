@@ -15,10 +15,10 @@ from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import check_data, replica_batch_size
 from tpustream.launch.plan import RunPlan
+from tpustream.launch.run_model import model_builder
 from tpustream.launch.synthetic import make_synthetic_sources
 from tpustream.launch.workers import local_replicas
 from tpustream.logs import setup_worker_logging
-from tpustream.models import create_model
 from tpustream.observe.best import best_record, describe_best
 from tpustream.observe.synthetic import describe_synthetic
 from tpustream.preemption import ignore_stop_signals
@@ -62,20 +62,6 @@ def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
     """
     setup_worker_logging(rank, world_size, worker_id)
     ignore_stop_signals()  # and it dies with its replica (data.read.loader.make_loader)
-
-
-def model_builder(cfg: TrainConfig, train: ShardManifest) -> functools.partial:
-    """create_model for this run's model and the training split's classes, size and channels."""
-    height, width = train.image_size
-    return functools.partial(
-        create_model,
-        cfg.model.name,
-        num_classes=train.num_classes,
-        image_size=max(height, width),
-        channels=train.channels,
-        library=cfg.model.library,
-        **cfg.model.options,
-    )
 
 
 def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tuple[Any, Any]:

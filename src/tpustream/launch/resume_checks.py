@@ -23,6 +23,7 @@ from tpustream.checkpoint import (
 from tpustream.config import BestOf, EpochsChange, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
+from tpustream.launch.run_model import meta_model
 from tpustream.observe.best import best_record, describe_best, read_select_best
 from tpustream.observe.synthetic import describe_synthetic, is_synthetic
 from tpustream.training.epoch_order import describe_change
@@ -111,20 +112,7 @@ def check_resume_fits(cfg: TrainConfig, train: ShardManifest, state: dict[str, A
     changed model, class count or channel count is one line before spawning
     instead of a load_state_dict traceback in every replica.
     """
-    import torch
-
-    from tpustream.models import create_model
-
-    height, width = train.image_size
-    with torch.device("meta"):
-        model = create_model(
-            cfg.model.name,
-            num_classes=train.num_classes,
-            image_size=max(height, width),
-            channels=train.channels,
-            library=cfg.model.library,
-            **cfg.model.options,
-        )
+    model = meta_model(cfg, train)
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     saved = {name: tuple(t.shape) for name, t in state.get("model", {}).items()}
     missing = sorted(set(wanted) - set(saved))

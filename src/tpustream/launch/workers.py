@@ -184,7 +184,7 @@ def _choose(
 
 
 def _model_flops(cfg: TrainConfig, train: ShardManifest) -> int | None:
-    from tpustream.launch.replica import model_builder
+    from tpustream.launch.run_model import model_builder
     from tpustream.observe.flops import training_flops_per_sample
 
     height, width = train.image_size
