@@ -119,7 +119,7 @@ class XlaDevice:
 
         if xr.device_type() != "TPU":
             return None
-        from tpustream.runtime import tpu_accelerator_type
+        from tpustream.runtime.host import tpu_accelerator_type
 
         return tpu_accelerator_type()
 
