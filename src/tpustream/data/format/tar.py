@@ -123,6 +123,40 @@ def _parse_pax(data: bytes, url: str, offset: int) -> dict[bytes, bytes]:
     return records
 
 
+def _apply_record(
+    typeflag: int,
+    data: bytes,
+    long_name: bytes | None,
+    long_size: int | None,
+    global_pax: dict[bytes, bytes],
+    url: str,
+    offset: int,
+) -> tuple[bytes | None, int | None]:
+    """The next member's (long name, size) after a record describing it (GNU long name, pax).
+
+    A pax global record updates global_pax instead (it holds for every later
+    member). The outermost record wins, as in tarfile, where each record's
+    handler patches the member read after it. Records are rare in shards (a
+    pax header only for a long name or a huge size), so this is a call of
+    its own, apart from _scan_shard's per-member loop.
+    """
+    if typeflag == _LONG_NAME:
+        return (data.split(b"\0", 1)[0] if long_name is None else long_name), long_size
+    if typeflag == _LONG_LINK or not (typeflag == _PAX_GLOBAL or _PAX_KEYS_WE_USE.search(data)):
+        return long_name, long_size
+    records = _parse_pax(data, url, offset)
+    if typeflag == _PAX_GLOBAL:
+        global_pax.update(records)
+        return long_name, long_size
+    if any(sparse in records for sparse in _PAX_SPARSE_KEYS):
+        raise ShardFormatError(f"{url}: sparse member at byte {offset} is not supported")
+    if long_name is None and b"path" in records:
+        long_name = records[b"path"].rstrip(b"/")  # tarfile._apply_pax_info
+    if long_size is None and b"size" in records:
+        long_size = _parse_pax_size(records[b"size"], url, offset)
+    return long_name, long_size
+
+
 def _scan_shard(stream: BinaryIO, url: str, start: int, stop: int | None) -> Generator[Sample, None, int]:
     """Yield samples start..stop-1; return the number of samples scanned (all of them when stop is None).
 
@@ -155,8 +189,7 @@ def _scan_shard(stream: BinaryIO, url: str, start: int, stop: int | None) -> Gen
     key: str | None = None
     sample: Sample | None = None  # the sample being assembled, if it is in the window
     fields: Sample | set[str] = set()  # its field names, for the duplicate check
-    # Set by the records before a member. The outermost record wins, as in
-    # tarfile, where each record's handler patches the member read after it.
+    # Set by the records before a member (_apply_record).
     long_name: bytes | None = None
     long_size: int | None = None
     global_pax: dict[bytes, bytes] = {}  # 'g' records hold for every later member
@@ -206,20 +239,9 @@ def _scan_shard(stream: BinaryIO, url: str, start: int, stop: int | None) -> Gen
                 raise ShardFormatError(f"{url}: truncated tar member at byte {member_offset}")
             data = buf[pos : pos + size]
             pos += padded
-            if typeflag == _LONG_NAME:
-                if long_name is None:
-                    long_name = data.split(b"\0", 1)[0]
-            elif typeflag != _LONG_LINK and (typeflag == _PAX_GLOBAL or _PAX_KEYS_WE_USE.search(data)):
-                records = _parse_pax(data, url, member_offset)
-                if typeflag == _PAX_GLOBAL:
-                    global_pax.update(records)
-                    continue
-                if any(sparse in records for sparse in _PAX_SPARSE_KEYS):
-                    raise ShardFormatError(f"{url}: sparse member at byte {member_offset} is not supported")
-                if long_name is None and b"path" in records:
-                    long_name = records[b"path"].rstrip(b"/")  # tarfile._apply_pax_info
-                if long_size is None and b"size" in records:
-                    long_size = _parse_pax_size(records[b"size"], url, member_offset)
+            long_name, long_size = _apply_record(
+                typeflag, data, long_name, long_size, global_pax, url, member_offset
+            )
             continue
         if kind == _SPARSE:
             raise ShardFormatError(f"{url}: sparse member at byte {member_offset} is not supported")
