@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import google_crc32c
 
-from tpustream.config import positive_seconds
+from tpustream.config.environment import positive_seconds
 from tpustream.errors import StorageError
 from tpustream.storage.gcs_streams import GcsObjectStream, ReadAheadStream
 from tpustream.storage.scheme import ObjectStat
