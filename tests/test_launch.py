@@ -120,6 +120,7 @@ TRIVIAL = ("augment.trivialaugment=true",)
         (["data.image_size=64"], "data.image_size=64, but the manifest of .* says its images are 32x32"),
         (["data.stages=[nowhere.module:stage]"], r"data.stages entry 'nowhere.module:stage': cannot import"),
         (["data.stages=[tests.user_stages:missing]"], "has no callable 'missing'"),
+        (["data.eval_crop_ratio=0"], r"data.eval_crop_ratio must be in \(0, 1\], got 0.0"),
         (["optim.lr=-0.1"], r"optim.lr must be a positive number, got -0.1"),
         (["optim.decay_factor=0"], r"optim.decay_factor in \(0, 1\], got 30.0 and 0.0"),
         (["seed=-1"], "seed must be >= 0"),

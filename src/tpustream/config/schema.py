@@ -107,11 +107,12 @@ class DataConfig:
     synthetic_steps: int | None = None
 
     def check(self) -> None:
-        """Each data.* field on its own (what needs the manifest is launch.checks.check_data's)."""
-        from tpustream.data.format.decode import check_image_key, check_label_key
-        from tpustream.data.read.crops import check_eval_crop_ratio
-        from tpustream.data.read.user_stages import load_user_stage
+        """Each data.* field on its own.
 
+        What the reading code judges (keys, the evaluation crop, data.stages) is
+        data.read.checks.check_data_config's; what needs the manifest,
+        launch.checks.check_data's. Both run before spawning.
+        """
         for name in ("train_shards", "val_shards"):
             value = getattr(self, name)
             if value is None and self.synthetic:
@@ -123,8 +124,6 @@ class DataConfig:
                 raise ConfigError(
                     f"data.{name} must be a string or a non-empty list of strings, got {value!r}"
                 )
-        check_image_key(self.image_key)
-        check_label_key(self.label_key)
         if self.channels not in (None, 1, 3):
             raise ConfigError(f"data.channels must be 1 or 3 (or null: the manifest's), got {self.channels}")
         for name in ("num_classes", "image_size", "synthetic_steps"):
@@ -145,14 +144,11 @@ class DataConfig:
             raise ConfigError("data.crop_padding and data.shuffle_buffer must be >= 0")
         if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
             raise ConfigError("data.mean and data.std need one value per channel, std > 0")
-        check_eval_crop_ratio(self.eval_crop_ratio)
         if self.train_crop == TrainCrop.random_resized and self.in_memory:
             raise ConfigError(
                 "data.in_memory holds decoded images of one size; data.train_crop=random_resized "
                 "crops every epoch anew from the encoded images: use one or the other"
             )
-        for path in self.stages:
-            load_user_stage(path)
 
 
 @dataclass
