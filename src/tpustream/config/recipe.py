@@ -1,7 +1,8 @@
 """The recipe's sections of the config: model, optimizer and schedule, weight average, augmentation.
 
 What an experiment file (conf/experiment/) sets, apart from where the data is
-and what runs it (``schema``). Each section checks its own fields.
+and what runs it (``schema``). Each section checks its own fields; the model's
+name, options and weights are the model code's to judge (models.check_model_config).
 """
 
 from __future__ import annotations
@@ -44,21 +45,6 @@ class ModelConfig:
     def wants_pretrained(self) -> bool:
         """model.pretrained names weights: not null, not false (Hydra hands this field false as "False")."""
         return self.pretrained is not None and self.pretrained.lower() != "false"
-
-    def check(self) -> None:
-        """The name exists in its library (close matches named if not); built-ins: their options bind.
-
-        Every model is also built and run on the meta device with the data's
-        shapes before spawning (launch.checks.check_data), which catches the
-        option values and input sizes a constructor refuses.
-        """
-        from tpustream.models import check_model_options
-
-        check_model_options(self.name, dict(self.options), ModelLibrary(self.library).value)
-        if self.pretrained is not None:
-            from tpustream.models.pretrained import check_pretrained
-
-            check_pretrained(ModelLibrary(self.library).value, self.name, self.pretrained)
 
 
 @dataclass

@@ -312,8 +312,14 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def check(self) -> None:
-        """Every section's own fields, then the top-level keys (cross-section rules: launch.checks)."""
-        for section in (self.data, self.model, self.optim, self.accelerator):
+        """Every section's own fields, then the top-level keys.
+
+        The model section has no check of its own: its name, options and
+        weights are the model code's to judge. That, and what the data and
+        augmentation code judge, and the rules across sections, are what
+        launch.checks.check_config adds.
+        """
+        for section in (self.data, self.optim, self.accelerator):
             section.check()
         for section in (self.checkpoint, self.ema, self.augment, self.debug):
             section.check()

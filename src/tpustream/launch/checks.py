@@ -33,7 +33,7 @@ from tpustream.data.read.checks import check_data_config
 from tpustream.data.read.plan import plan_layout
 from tpustream.errors import ConfigError, StorageError
 from tpustream.launch.runtime_checks import check_runtime_and_strategy
-from tpustream.models import check_model_builds
+from tpustream.models import check_model_builds, check_model_config
 
 log = logging.getLogger(__name__)
 
@@ -204,13 +204,14 @@ def check_run_folders(cfg: TrainConfig) -> None:
 
 def check_config(cfg: TrainConfig) -> None:
     """Checks that need no data and no device: each section's own (TrainConfig.check), then what the
-    data code judges of its section, then the rules across sections.
+    data and model code judge of their sections, then the rules across sections.
 
     The config package is a leaf that imports none of that code, so its
     checks are called here, beside its own, all before spawning.
     """
     cfg.check()
     check_data_config(cfg.data)
+    check_model_config(cfg.model)
     check_runtime_and_strategy(cfg)
 
 

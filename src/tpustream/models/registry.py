@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
+from tpustream.config import ModelConfig, ModelLibrary
 from tpustream.errors import ConfigError
 
 ModelFactory = Callable[..., nn.Module]
@@ -88,6 +89,23 @@ def check_model_options(name: str, options: dict, library: str = "tpustream") ->
         inspect.signature(_REGISTRY[name]).bind(num_classes=1, image_size=1, channels=1, **options)
     except TypeError as exc:
         raise ConfigError(f"model.options for {name}: {exc}") from None
+
+
+def check_model_config(model: ModelConfig) -> None:
+    """model.*, before spawning: the name exists in its library (close matches named if not), a
+    built-in family takes the options, and the library has the weights model.pretrained asks for.
+
+    Every model is also built and run on the meta device with the data's
+    shapes (check_model_builds, from launch.checks.check_data), which catches
+    the option values and input sizes a constructor refuses.
+    """
+    library = ModelLibrary(model.library).value
+    check_model_options(model.name, dict(model.options), library)
+    if model.pretrained is not None:
+        # Imported here: storage (which reads the weights' files) only when weights are named.
+        from tpustream.models.pretrained import check_pretrained
+
+        check_pretrained(library, model.name, model.pretrained)
 
 
 def check_model_builds(
