@@ -18,7 +18,7 @@ import torch
 from scipy import stats
 
 from tpustream.augment.draws import BatchDraws
-from tpustream.augment.policies import RAND_INCREASING_TRANSFORMS, RandAugment, TrivialAugment
+from tpustream.augment.policies import RAND_INCREASING_TRANSFORMS, RandAugment, TrivialAugment, build_policy
 from tpustream.config import AugmentConfig
 from tpustream.errors import ConfigError
 
@@ -48,7 +48,7 @@ def test_timms_strings_are_read_as_timm_reads_them():
 )
 def test_a_string_timm_would_not_read_is_one_line_naming_its_section(text, message):
     with pytest.raises(ConfigError, match=message) as error:
-        AugmentConfig(randaugment=text).check()
+        build_policy(AugmentConfig(randaugment=text))
     assert "augment.randaugment" in str(error.value) and "\n" not in str(error.value)
 
 

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from tpustream.augment.policies import RandAugment, TrivialAugment
+from tpustream.augment.policies import RandAugment, TrivialAugment, build_policy
 from tpustream.config import AugmentConfig, MixMode
 
 # Keeps augmentation's generators apart from any other use of (seed, epoch, sample).
@@ -55,7 +55,7 @@ class BatchDraws:
         self.group = group
         self.seed = seed
         self.cutmix_alpha = 1.0 if cfg.cutmix_minmax is not None else cfg.cutmix_alpha
-        self.policy: RandAugment | TrivialAugment | None = cfg.policy()
+        self.policy: RandAugment | TrivialAugment | None = build_policy(cfg)
 
     def __call__(self, epoch: int, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
         batch = len(sample_ids)

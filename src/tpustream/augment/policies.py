@@ -21,6 +21,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from tpustream.config import AugmentConfig
 from tpustream.errors import ConfigError
 
 # timm/data/auto_augment.py: magnitudes are on a 0..10 scale.
@@ -337,3 +338,11 @@ def policy_ops(policy: RandAugment | TrivialAugment) -> frozenset[Op]:
     """The codes a policy can produce: the device builds only those."""
     names = TRIVIAL_SPACE if isinstance(policy, TrivialAugment) else policy.transforms
     return frozenset({Op.identity} | {CODES[re.sub("Increasing$", "", name)] for name in names})
+
+
+def build_policy(cfg: AugmentConfig) -> RandAugment | TrivialAugment | None:
+    """The per-sample operation policy augment.* names, or None; ConfigError for a RandAugment
+    string timm would not read (launch.checks builds it once before spawning to say so)."""
+    if cfg.randaugment:
+        return RandAugment.parse(cfg.randaugment)
+    return TrivialAugment() if cfg.trivialaugment else None

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tpustream.augment.erasing import erase
 from tpustream.augment.mixing import mix_images, mix_targets, partners, soft_target_cross_entropy
 from tpustream.augment.ops import apply_layer
-from tpustream.augment.policies import policy_ops
+from tpustream.augment.policies import build_policy, policy_ops
 from tpustream.config import AugmentConfig, Interpolation
 
 # The batch fields the host's draws add (augment.draws.BatchDraws).
@@ -43,7 +43,7 @@ class DeviceAugment:
         self.normalize = normalize
         self.label_smoothing = label_smoothing
         self.group = group
-        policy = cfg.policy()
+        policy = build_policy(cfg)
         self.codes = policy_ops(policy) if policy is not None else frozenset()
         # The geometric operations' fill: the config's, or timm's img_mean (the mean colour).
         self.fill = torch.tensor(

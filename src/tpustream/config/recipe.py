@@ -234,15 +234,6 @@ class AugmentConfig:
     def mixing(self) -> bool:
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0 or self.cutmix_minmax is not None
 
-    def policy(self):
-        """The per-sample operation policy (augment.policies), or None."""
-        # Imported here: the config package stays free of torch and numpy.
-        from tpustream.augment.policies import RandAugment, TrivialAugment
-
-        if self.randaugment:
-            return RandAugment.parse(self.randaugment)
-        return TrivialAugment() if self.trivialaugment else None
-
     def policy_on(self) -> bool:
         return bool(self.randaugment) or self.trivialaugment
 
@@ -277,7 +268,6 @@ class AugmentConfig:
         )
         if self.randaugment and self.trivialaugment:
             raise ConfigError("augment.randaugment and augment.trivialaugment are two policies: choose one")
-        self.policy()  # a RandAugment string that timm would not read fails here, naming its section
         if self.fill is not None and not all(0 <= value <= 255 for value in self.fill):
             raise ConfigError(
                 f"augment.fill is 0..255 per channel (or null: the mean colour), got {list(self.fill)}"

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tpustream import storage
+from tpustream.augment.policies import build_policy
 from tpustream.config import (
     SPMD_STRATEGIES,
     Collectives,
@@ -204,7 +205,7 @@ def check_run_folders(cfg: TrainConfig) -> None:
 
 def check_config(cfg: TrainConfig) -> None:
     """Checks that need no data and no device: each section's own (TrainConfig.check), then what the
-    data and model code judge of their sections, then the rules across sections.
+    data, model and augmentation code judge of their sections, then the rules across sections.
 
     The config package is a leaf that imports none of that code, so its
     checks are called here, beside its own, all before spawning.
@@ -212,6 +213,7 @@ def check_config(cfg: TrainConfig) -> None:
     cfg.check()
     check_data_config(cfg.data)
     check_model_config(cfg.model)
+    build_policy(cfg.augment)  # a RandAugment string timm would not read: one line naming its section
     check_runtime_and_strategy(cfg)
 
 
