@@ -29,16 +29,26 @@ def module_path(name: str) -> Path:
     return package if package.exists() else (SRC / relative).with_suffix(".py")
 
 
-def top_level_imports(name: str) -> set[str]:
-    """tpustream modules that `name` imports when it is imported (not those imported inside functions)."""
+def imported_modules(name: str) -> set[str]:
+    """tpustream modules that `name` imports anywhere: at its top and inside functions and methods.
+
+    A function-level import closes an import circle as surely as a top-level
+    one, only later (when the function first runs), so the graph counts both.
+    Relative imports are resolved against the module's package.
+    """
     path = module_path(name)
-    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tpustream"):
-            for alias in node.names:
-                candidate = f"{node.module}.{alias.name}"
-                found.add(candidate if candidate in NAMES else node.module)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # from . import x, from ..y import z
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + [module] if module else base)
+            if module.startswith("tpustream"):
+                for alias in node.names:
+                    candidate = f"{module}.{alias.name}"
+                    found.add(candidate if candidate in NAMES else module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("tpustream")}
     return {m for m in found if m in NAMES and m != name}
@@ -53,7 +63,7 @@ def test_every_module_imports():
 
 
 def test_no_import_cycle():
-    graph = {name: top_level_imports(name) for name in module_names()}
+    graph = {name: imported_modules(name) for name in module_names()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(name: str, path: list[str]) -> None:
@@ -71,6 +81,25 @@ def test_no_import_cycle():
             visit(name, [name])
 
 
+# What config/ may import: itself and the errors its checks raise. It is the ground floor
+# (STYLE.md): everything reads it; a check that needs the data, a model or storage lives
+# beside that package, and launch.checks calls it before spawning.
+GROUND_FLOOR = ("tpustream.config", "tpustream.errors")
+
+
+def inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(f"{package}.")
+
+
+def test_config_is_the_ground_floor():
+    for name in filter(lambda n: inside(n, "tpustream.config"), module_names()):
+        for other in imported_modules(name):
+            assert any(inside(other, floor) for floor in GROUND_FLOOR), (
+                f"{name} imports {other}: config/ holds schemas and enums only; move the check "
+                "beside the package it needs and call it from launch.checks"
+            )
+
+
 def test_data_lifecycles_use_only_the_format_leaf():
     lifecycles = ("write", "resolve", "read")
     for name in module_names():
@@ -78,7 +107,7 @@ def test_data_lifecycles_use_only_the_format_leaf():
         if parts[:2] != ["tpustream", "data"] or len(parts) < 3:
             continue
         mine = parts[2]
-        for other in top_level_imports(name):
+        for other in imported_modules(name):
             theirs = other.split(".")[2] if other.startswith("tpustream.data.") else None
             if mine == "format":
                 assert theirs in (None, "format"), f"{name} (the leaf) imports {other}"

@@ -7,6 +7,11 @@ type against them when it composes the config, so a typo such as
 ``schema`` holds the dataclasses (each section checks its own fields; the
 recipe's sections, model, optim and ema, are ``recipe``'s),
 ``choices`` the enums, ``environment`` the settings read from the environment.
+
+This package is the ground floor: everything reads it, and it imports none
+of the code that reads it. A check that needs the data code, a model or
+storage lives beside that package (data.read.checks, models.check_model_config,
+augment.policies.build_policy) and launch.checks calls it before spawning.
 """
 
 from __future__ import annotations
