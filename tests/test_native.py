@@ -160,6 +160,7 @@ def test_checkpoints_cross_between_native_and_xla(digits_root, straight, tmp_pat
         f"data.root={digits_root}",
         f"output_dir={run}",
         "epochs=2",
+        "optim.on_epochs_change=stretch",  # the cosine redrawn over both epochs
         "data.num_workers=auto",  # at an epoch's end the count is free: measured and chosen anew
         f"hydra.run.dir={tmp_path / 'h3'}",
         env=no_torch_xla,
