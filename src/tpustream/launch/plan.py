@@ -58,7 +58,7 @@ class RunPlan:
     config_dict: dict[str, Any]  # the resolved config as plain data (stored in checkpoints)
     train: ShardManifest
     val: ShardManifest
-    resume_url: str | None
+    resume_url: str | None = None
     started_at: float | None = None  # when train.py started (time.time()), for set-up time
     # Why the run folder's run has nothing left to train (no replica starts), or None.
     finished: str | None = None
@@ -121,6 +121,38 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     check_environment()
     check_accelerator_present(typed)
     check_run_folders(typed)
+    train, val = read_splits(typed, plain)
+    resume = continued_from(typed, plain, train)
+    pretrained = None
+    if typed.model.wants_pretrained() and not typed.eval_only:
+        if resume.get("resume_url") is None:
+            pretrained = fetch_model_pretrained(typed, train)
+        else:
+            log.info(
+                "model.pretrained=%s is not loaded: the run continues from %s",
+                typed.model.pretrained,
+                resume["resume_url"],
+            )
+    if typed.eval_only and resume.get("resume_url") is None:
+        raise ConfigError(
+            f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
+        )
+    if typed.xla_cache_dir and typed.accelerator.device == Device.CPU:
+        log.warning(
+            "xla_cache_dir=%s on CPU: torch_xla's CPU client cannot load the entries it writes, "
+            "so nothing is saved",
+            typed.xla_cache_dir,
+        )
+    plan = RunPlan(typed, plain, train, val, started_at=started_at, pretrained=pretrained, **resume)
+    world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
+    trains_shards = not (typed.eval_only or typed.data.synthetic)
+    if world_size is not None and devices is not None and trains_shards and plan.finished is None:
+        plan.partition(world_size, replica_batch_size(typed, devices))  # its errors, before spawning
+    return plan
+
+
+def read_splits(typed: TrainConfig, plain: dict[str, Any]) -> tuple[ShardManifest, ShardManifest]:
+    """The training and validation splits as this host reads them (data.synthetic: stand-ins), checked."""
     options = SplitOptions.from_config(typed.data, typed.output_dir)
     # A stop requested while the splits are read (counting a large unindexed
     # bucket takes minutes) ends the run before anything starts.
@@ -142,65 +174,37 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
             *manifest.image_size,
             manifest.counts_from,
         )
-    resume_url = finished = resume_data_plan = resume_batch_size = None
-    resume_step, resume_own, resume_epoch = 0, True, 0
+    return train, val
+
+
+def continued_from(typed: TrainConfig, plain: dict[str, Any], train: ShardManifest) -> dict[str, Any]:
+    """The checkpoint the run continues, checked against this run, as RunPlan's resume_* fields ({}: fresh).
+
+    data.num_workers=auto is resolved here too: a mid-epoch checkpoint's count wins.
+    """
     # A synthetic run never continues one: it starts fresh (check_fresh_start guards the folder).
     resume = None if typed.data.synthetic else find_resume(typed.resume, typed.output_dir)
     resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
-    if resume is None and not typed.eval_only:
-        check_fresh_start(typed)
-    if resume is not None:
-        resume_url = resume.url
-        check_resume_fits(typed, train, resume.state, resume_url)
-        check_resume_config(typed, plain, resume)
-        finished = check_not_finished(typed, resume)
-        if finished is None:
-            check_schedule_horizon(typed, resume)
-        resume_data_plan = resume.state.get("data_plan")
-        resume_epoch, resume_step = resume.state["position"]["epoch"], resume.state["position"]["step"]
-        resume_batch_size = (resume.state.get("config") or {}).get("batch_size")
-        resume_own = resume.own
-        del resume  # the checkpoint's tensors: each replica reads its own copy
-    pretrained = None
-    if typed.model.wants_pretrained() and not typed.eval_only:
-        if resume_url is None:
-            pretrained = fetch_model_pretrained(typed, train)
-        else:
-            log.info(
-                "model.pretrained=%s is not loaded: the run continues from %s",
-                typed.model.pretrained,
-                resume_url,
-            )
-    if typed.eval_only and resume_url is None:
-        raise ConfigError(
-            f"eval_only needs a checkpoint: set resume=<url>, or have one in {typed.output_dir}/checkpoints"
-        )
-    if typed.xla_cache_dir and typed.accelerator.device == Device.CPU:
-        log.warning(
-            "xla_cache_dir=%s on CPU: torch_xla's CPU client cannot load the entries it writes, "
-            "so nothing is saved",
-            typed.xla_cache_dir,
-        )
-    plan = RunPlan(
-        typed,
-        plain,
-        train,
-        val,
-        resume_url,
-        started_at,
-        finished,
-        pretrained,
-        resume_data_plan,
-        resume_step,
-        resume_batch_size,
-        resume_own,
-        resume_epoch,
-    )
-    world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
-    trains_shards = not (typed.eval_only or typed.data.synthetic)
-    if world_size is not None and devices is not None and trains_shards and finished is None:
-        plan.partition(world_size, replica_batch_size(typed, devices))  # its errors, before spawning
-    return plan
+    if resume is None:
+        if not typed.eval_only:
+            check_fresh_start(typed)
+        return {}
+    check_resume_fits(typed, train, resume.state, resume.url)
+    check_resume_config(typed, plain, resume)
+    finished = check_not_finished(typed, resume)
+    if finished is None:
+        check_schedule_horizon(typed, resume)
+    position = resume.state["position"]
+    # Only these: the checkpoint's tensors are not kept, each replica reads its own copy.
+    return {
+        "resume_url": resume.url,
+        "finished": finished,
+        "resume_data_plan": resume.state.get("data_plan"),
+        "resume_epoch": position["epoch"],
+        "resume_step": position["step"],
+        "resume_batch_size": (resume.state.get("config") or {}).get("batch_size"),
+        "resume_own": resume.own,
+    }
 
 
 def global_batch_error(saved_plan: dict[str, int], world_size: int, devices: int) -> str:
