@@ -196,19 +196,24 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         if streams is not None:
             close_loaders(train_loader, val_loader)
         del profiler
-    if runtime.is_master and synthetic:
-        log.info("finished: %s; no checkpoints (data.synthetic)", describe_synthetic(summary["history"]))
-    elif runtime.is_master and not cfg.eval_only:
-        best = best_record(summary["history"], cfg.ema.select_best)  # the epoch best.pt holds
-        if best is not None:
-            log.info(
-                "finished: best validation accuracy %s; checkpoint %s",
-                describe_best(best, cfg.ema.select_best),
-                checkpoint_url(cfg.output_dir, BEST),
-            )
-        else:
-            log.info(
-                "finished without validation (eval_every=0); checkpoint %s",
-                checkpoint_url(cfg.output_dir, LAST),
-            )
+    if runtime.is_master:
+        log_finished(cfg, summary["history"])
     return summary
+
+
+def log_finished(cfg: TrainConfig, history: list[dict[str, Any]]) -> None:
+    """The master's last line: the epoch best.pt holds, by the weights it follows (or the synthetic rate)."""
+    if cfg.data.synthetic:
+        log.info("finished: %s; no checkpoints (data.synthetic)", describe_synthetic(history))
+    elif cfg.eval_only:
+        return
+    elif (best := best_record(history, cfg.ema.select_best)) is not None:
+        log.info(
+            "finished: best validation accuracy %s; checkpoint %s",
+            describe_best(best, cfg.ema.select_best),
+            checkpoint_url(cfg.output_dir, BEST),
+        )
+    else:
+        log.info(
+            "finished without validation (eval_every=0); checkpoint %s", checkpoint_url(cfg.output_dir, LAST)
+        )
