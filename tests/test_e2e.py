@@ -82,6 +82,7 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
     )
     assert {"train/loss", "train/lr", "rate/global", "rate/replica_000", "xla/compilations"} <= set(scalars)
     assert {"time/input_wait_fraction", "time/compile_seconds", "time/step_seconds"} <= set(scalars)
+    assert {"time/input_bound_fraction", "time/device_idle_fraction"} <= set(scalars)  # XLA measures them
     # debug.profile_*: XLA traces of steps 26-28 and of epoch 1's evaluation, copied into the bucket
     # where TensorBoard's profile plugin reads them.
     for name, steps in (("profile-steps-25-28", 3), ("profile-eval-epoch-1", 6)):

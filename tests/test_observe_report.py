@@ -53,11 +53,28 @@ def test_runs_are_compared_by_the_config_values_that_differ(two_runs, tmp_path):
     text = report(two_runs, str(tmp_path / "all.png"))
     header, w0, w2 = text.splitlines()[:3]
     assert header.split()[:3] == ["run", "best", "acc"]
-    # Best accuracy, steady rate and input wait (epoch 0 left out), and only what differs.
-    assert w0.split() == ["w0", "80.0%", "200.0", "60.0%", "2", "data.num_workers=0"]
-    assert w2.split() == ["w2", "80.0%", "200.0", "5.0%", "2", "data.num_workers=2"]
+    # Best accuracy, steady rate, input-bound share (none measured) and host wait (epoch 0 left
+    # out), and only what differs.
+    assert w0.split() == ["w0", "80.0%", "200.0", "-", "60.0%", "2", "data.num_workers=0"]
+    assert w2.split() == ["w2", "80.0%", "200.0", "-", "5.0%", "2", "data.num_workers=2"]
     assert (tmp_path / "all.png").read_bytes().startswith(b"\x89PNG")
     assert "advice:" not in text  # the same rate with 0 and 2 workers
+
+
+def test_the_devices_input_bound_share_stands_beside_the_hosts_wait(tmp_path):
+    """Issue 34: a run at 98% of its GPU's own rate waited 29% host-side; the device idled 2% for input."""
+    run = str(tmp_path / "gpu")
+    records = [epoch(number, 0.8, 3033.0, 0.29) for number in range(3)]
+    for record in records:
+        record.update(input_bound_fraction=0.02, input_bound_fraction_worst=0.03, device_idle_fraction=0.04)
+    write_metrics(run, records)
+    write_config(run, {"output_dir": run, "data": {"num_workers": 12}})
+    header, *rows = report([run], None, draw=False).splitlines()[1:3]
+    assert header.split()[4:8] == ["samples/s", "input-bound", "host", "wait"]
+    assert rows[0].split()[4:7] == ["3033.0", "2.0%", "29.0%"]
+    rows = report([run, run], None, draw=False).splitlines()
+    assert rows[0].split()[3:7] == ["samples/s", "input-bound", "host", "wait"]
+    assert rows[1].split()[2:5] == ["3033.0", "2.0%", "29.0%"]
 
 
 def test_runs_where_more_workers_were_slower_say_so(tmp_path):
@@ -201,7 +218,7 @@ def test_a_run_given_with_its_synthetic_twin_shows_each_epochs_share_of_its_rate
     other = synthetic_twin(tmp_path, "other", (100.0, 400.0), batch_size=16)
     table = report([*two_runs, twin, other], None, draw=False).splitlines()
     assert table[0].split()[4:6] == ["of", "synth."]
-    assert table[1].split()[:5] == ["w0", "80.0%", "200.0", "0.80", "60.0%"]
-    assert table[3].split()[:5] == ["synthetic", "synth.", "250.0", "-", "0.0%"]
+    assert table[1].split()[:6] == ["w0", "80.0%", "200.0", "0.80", "-", "60.0%"]  # no input-bound measured
+    assert table[3].split()[:6] == ["synthetic", "synth.", "250.0", "-", "-", "0.0%"]
     alone = report([two_runs[0], other], None, draw=False)
     assert "of synth." not in alone

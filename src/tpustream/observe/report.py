@@ -84,7 +84,9 @@ def epoch_table(run: Run, synthetic_rate: float | None = None) -> str:
     """
     average = has_average([run])
     columns = [("epoch", 5), ("acc", 7), *([("ema acc", 7)] if average else []), ("top5", 7), ("loss", 8)]
-    columns += [("samples/s", 10), *([("of synth.", 9)] if synthetic_rate else []), ("input", 7), ("MFU", 6)]
+    # input-bound: the device idle for want of input; host wait: the training thread waiting for a batch.
+    columns += [("samples/s", 10), *([("of synth.", 9)] if synthetic_rate else [])]
+    columns += [("input-bound", 11), ("host wait", 9), ("MFU", 6)]
     lines = [" ".join(f"{name:>{width}}" for name, width in columns) + " compiles"]
     for r, compiles in zip(run.records, compiles_per_epoch(run.records), strict=True):
         loss = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
@@ -92,7 +94,8 @@ def epoch_table(run: Run, synthetic_rate: float | None = None) -> str:
         share = f" {of_synthetic(r.get('global_rate'), synthetic_rate):>9}" if synthetic_rate else ""
         lines.append(
             f"{r['epoch']:>5} {percent(r.get('val_accuracy')):>7}{ema} {percent(r.get('val_top5')):>7} "
-            f"{loss:>8} {r.get('global_rate', 0):>10.1f}{share} {percent(r.get('input_wait_fraction')):>7} "
+            f"{loss:>8} {r.get('global_rate', 0):>10.1f}{share} {percent(r.get('input_bound_fraction')):>11} "
+            f"{percent(r.get('input_wait_fraction')):>9} "
             f"{percent(r.get('mfu')):>6} {'-' if compiles is None else compiles:>8}"
         )
     select_best = select_best_of(run.config)
@@ -121,8 +124,8 @@ def comparison_table(runs: Sequence[Run], twins: Mapping[str, float | None] | No
     ema_header = f" {'ema acc':>8} {'best.pt':>8}" if average else ""
     synth_header = f" {'of synth.':>9}" if twins else ""
     lines = [
-        f"{'run':<24} {'best acc':>8}{ema_header} {'samples/s':>10}{synth_header} {'input':>7} {'epochs':>6}"
-        "  differs"
+        f"{'run':<24} {'best acc':>8}{ema_header} {'samples/s':>10}{synth_header} {'input-bound':>11} "
+        f"{'host wait':>9} {'epochs':>6}  differs"
     ]
     for run in runs:
         steady = measured(run.records)
@@ -130,6 +133,7 @@ def comparison_table(runs: Sequence[Run], twins: Mapping[str, float | None] | No
         best = best_record(run.records, select_best) or {}
         rate = mean([r["global_rate"] for r in steady if r.get("global_rate") is not None])
         wait = mean([r["input_wait_fraction"] for r in steady if r.get("input_wait_fraction") is not None])
+        bound = mean([r["input_bound_fraction"] for r in steady if r.get("input_bound_fraction") is not None])
         flat = flatten(run.config)
         overrides = " ".join(f"{key}={flat.get(key)}" for key in keys)
         rate_text = "-" if rate is None else f"{rate:.1f}"
@@ -139,7 +143,7 @@ def comparison_table(runs: Sequence[Run], twins: Mapping[str, float | None] | No
         share = f" {of_synthetic(rate, twins.get(run.name)):>9}" if twins else ""
         lines.append(
             f"{run.name[:24]:<24} {accuracy:>8}{ema} {rate_text:>10}{share} "
-            f"{percent(wait):>7} {len(run.records):>6}  {overrides}"
+            f"{percent(bound):>11} {percent(wait):>9} {len(run.records):>6}  {overrides}"
         )
     return "\n".join(lines)
 

@@ -60,8 +60,18 @@ def timed_parallel_loader(
     background thread has not put on the device yet (ParallelLoader.next_item),
     apart from the step boundary the per-device loader marks before it (which
     may compile, and is not waiting for input).
+
+    The device's gaps between steps are recorded there too (observe.idle.ReadyGaps):
+    PerDeviceLoader.next is where the loop asks for a batch, and cuts the
+    previous step's graph (torch_xla.sync, which mostly returns while the
+    device runs it: torch_xla 2.9 queues several steps) before next_item;
+    each step's output tells when it is done through on_ready_callback, which
+    neither blocks nor copies.
     """
     import torch_xla.distributed.parallel_loader as pl
+    from torch_xla.experimental.callback import on_ready_callback
+
+    from tpustream.observe.idle import ReadyGaps
 
     # ParallelLoader wraps its threads' work in xp.Trace, and torch_xla 2.9
     # enters every Trace by setting SKIP_MEGASCALE_PJRT_CLIENT in os.environ
@@ -77,12 +87,29 @@ def timed_parallel_loader(
     # what torch_xla sets it for.
     os.environ.setdefault(MEGASCALE_SKIP, "true")
 
+    gaps = None if wait is None else ReadyGaps(wait, on_ready_callback)
+    if wait is not None:
+        wait.gaps = gaps
+
+    class TimedDeviceLoader(pl.PerDeviceLoader):
+        def next(self):
+            if gaps is not None:
+                gaps.asked()
+            return super().next()
+
     class TimedLoader(pl.ParallelLoader):
+        def per_device_loader(self, device):
+            return TimedDeviceLoader(self, torch.device(device))
+
         def next_item(self, device):
             start = time.perf_counter()
+            if gaps is not None:
+                gaps.handed_over()
             item = super().next_item(device)
             if wait is not None:
                 wait.add(time.perf_counter() - start)
+            if gaps is not None:
+                gaps.received(last=item is None)
             return item
 
     # As MpDeviceLoader: never closed here; a later epoch's iteration makes a new one.

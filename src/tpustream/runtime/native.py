@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from tpustream.observe.idle import EventGaps, SynchronousGaps
 from tpustream.observe.timing import InputWait, timed
 from tpustream.runtime.device import map_tensors, to_host
 from tpustream.runtime.gloo import HostCollectives, average_flat
@@ -53,6 +54,22 @@ def _to_device(value: Any, device: torch.device) -> Any:
     # From page-locked memory the copy is asynchronous: the host goes on
     # preparing the next step while the GPU copies this one's batch.
     return map_tensors(lambda tensor: tensor.pin_memory().to(device, non_blocking=True), value)
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """A timing event recorded on the current (compute) stream: no synchronisation, read later."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _between_events(batch: Any, gaps: EventGaps | None) -> Iterator:
+    """batch, yielded between its step's start and end events."""
+    if gaps is not None:
+        gaps.started()
+    yield batch
+    if gaps is not None:
+        gaps.ended()
 
 
 class NativeRuntime(HostCollectives):
@@ -105,17 +122,23 @@ class NativeRuntime(HostCollectives):
             return
         batches = timed(loader, wait)
         if self.device.type == "cpu":
+            if wait is not None:
+                wait.gaps = SynchronousGaps(wait)  # eager on the CPU: idle exactly while waiting
             yield from map(self._laid_out, batches)  # the batch is where the model is
             return
+        # Events on the compute stream at each step's start and end (observe.idle).
+        gaps = None if wait is None else EventGaps(wait, _recorded_event)
+        if wait is not None:
+            wait.gaps = gaps
         # One batch ahead: the next batch's copy is queued before this one is trained on.
         pending = None
         for batch in batches:
             moved = self._laid_out(_to_device(batch, self.device))
             if pending is not None:
-                yield pending
+                yield from _between_events(pending, gaps)
             pending = moved
         if pending is not None:
-            yield pending
+            yield from _between_events(pending, gaps)
 
     def _laid_out(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch's images in the model's memory layout (the uint8 copy is the cheap one to convert)."""

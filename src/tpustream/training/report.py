@@ -42,6 +42,9 @@ OPTIONAL_SCALARS = {
     "rate/mfu": "mfu",
     "time/input_wait_fraction": "input_wait_fraction",
     "time/input_wait_fraction_worst": "input_wait_fraction_worst",
+    "time/input_bound_fraction": "input_bound_fraction",
+    "time/input_bound_fraction_worst": "input_bound_fraction_worst",
+    "time/device_idle_fraction": "device_idle_fraction",
     "time/compile_seconds": "compile_seconds",
     "time/step_seconds": "step_seconds",
     "time/checkpoint_seconds": "checkpoint_seconds",
@@ -67,11 +70,16 @@ class EpochRecord:
     global_rate: float  # samples per second, summed over replicas
     train_filled: int  # real samples bad data took out (padding never counts)
     lr: float  # the learning rate of the epoch's last step
-    # Where the training loop's time went (observe.timing), means over replicas: the share
-    # spent waiting for input (and the worst replica's), seconds compiling, stepping, saving.
+    # Where the training loop's time went (observe.timing), means over replicas: the host's
+    # share spent waiting for a batch (and the worst replica's), seconds compiling, stepping, saving.
     input_wait_fraction: float | None = None
     input_wait_fraction_worst: float | None = None
     input_wait_seconds: float | None = None
+    # The device's share idle between steps for want of input (and the worst replica's), and
+    # idle between steps at all (observe.idle); absent where the runtime cannot see the device.
+    input_bound_fraction: float | None = None
+    input_bound_fraction_worst: float | None = None
+    device_idle_fraction: float | None = None
     compile_seconds: float | None = None
     step_seconds: float | None = None
     checkpoint_seconds: float | None = None
@@ -121,6 +129,22 @@ class EpochRecord:
 def read_epoch_records(output_dir: str) -> list[EpochRecord]:
     """The records in a run folder's metrics.jsonl, in file order ([] if there is none yet)."""
     return [EpochRecord.from_dict(line) for line in checkpoint.read_metrics(output_dir)]
+
+
+def time_shares(record: EpochRecord) -> str:
+    """The epoch line's account of the loop: the device's idle shares where measured, the host's wait."""
+    device = (
+        f"input-bound {100 * record.input_bound_fraction:.0f}%, worst replica "
+        f"{100 * record.input_bound_fraction_worst:.0f}%; "
+        f"device idle {100 * record.device_idle_fraction:.0f}%; "
+        if record.input_bound_fraction is not None and record.device_idle_fraction is not None
+        else ""
+    )
+    return (
+        f"{device}host wait {100 * record.input_wait_fraction:.0f}%, worst replica "
+        f"{100 * record.input_wait_fraction_worst:.0f}%; compile {record.compile_seconds:.1f}s, "
+        f"step {record.step_seconds:.1f}s, checkpoints {record.checkpoint_seconds:.1f}s"
+    )
 
 
 class RateTracker:
@@ -292,13 +316,7 @@ class EpochReporter:
             f"(replica steps {record.replica_steps}) skipped={record.train_filled} "
             f"GlobalRate={record.global_rate:.1f} time={record.train_seconds:.1f}s"
             + (f" MFU={100 * record.mfu:.1f}%" if record.mfu is not None else "")
-            + (
-                f" (input wait {100 * record.input_wait_fraction:.0f}%, worst replica "
-                f"{100 * record.input_wait_fraction_worst:.0f}%; compile {record.compile_seconds:.1f}s, "
-                f"step {record.step_seconds:.1f}s, checkpoints {record.checkpoint_seconds:.1f}s)"
-                if record.input_wait_fraction is not None
-                else ""
-            )
+            + (f" ({time_shares(record)})" if record.input_wait_fraction is not None else "")
         )
         top5 = f" top5={100 * record.val_top5:.2f}%" if record.val_top5 is not None else ""
         ema = (

@@ -305,11 +305,11 @@ class Trainer:
         sums = EpochSums(self.partial, self.runtime)
         check_every = self.stop_check_every()
         save_every = self.cfg.checkpoint.every_n_steps
-        # Where the loop's time goes (observe.timing): measured where the thread blocks, no syncs added.
-        timer = LoopTimer(self.runtime.compile_seconds)
+        timer = LoopTimer(self.runtime.compile_seconds)  # where the loop's time goes: observe.timing, idle
         for index, batch in enumerate(self.runtime.device_loader(self.train_loader, timer.wait)):
             step = start_step + index
             loss = self.step_fn(batch)
+            timer.wait.note_output(loss)  # XLA: the device loader learns when the device ran it, no sync
             sums.add(loss, batch)
             tracker.add(self.replica_samples(batch))
             self.global_step += 1
