@@ -10,7 +10,7 @@ import pytest
 from tests.fake_runtime import tiny_config
 from tpustream.checkpoint import LAST, checkpoint_url, load_checkpoint
 from tpustream.config import EpochsChange, Schedule
-from tpustream.training import trainer as trainer_module
+from tpustream.training import step as step_module
 from tpustream.training.schedule import (
     SchedulePhase,
     continued_phase,
@@ -33,13 +33,13 @@ def config(run: str, epochs: int, choice: EpochsChange = EpochsChange.refuse, **
 def learning_rates(monkeypatch):
     """Every lr the trainer sets, in order (the training steps' own values)."""
     seen: list[float] = []
-    set_learning_rate = trainer_module.set_learning_rate
+    set_learning_rate = step_module.set_learning_rate
 
     def recording(optimizer, lr):
         seen.append(lr)
         set_learning_rate(optimizer, lr)
 
-    monkeypatch.setattr(trainer_module, "set_learning_rate", recording)
+    monkeypatch.setattr(step_module, "set_learning_rate", recording)
     return seen
 
 

@@ -30,6 +30,21 @@ def floating_buffers(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [b for module in modules for b in module.buffers() if b.is_floating_point()]
 
 
+def average_floating_buffers(runtime: Runtime, modules: Sequence[nn.Module]) -> None:
+    """Average BatchNorm running statistics (floating buffers) over replicas, in place.
+
+    Each replica updates them from its own batches, and xm.optimizer_step
+    averages gradients only; without this every replica would evaluate a
+    slightly different model, and the reduced accuracy would not be the
+    accuracy of the checkpoint the master saves.
+    """
+    if runtime.world_size == 1:
+        return
+    buffers = floating_buffers(modules)
+    for buffer, total in zip(buffers, runtime.all_reduce_sum(buffers), strict=True):
+        buffer.copy_(total / runtime.world_size)
+
+
 def gather_replica_parts(runtime: Runtime, modules: Sequence[nn.Module], tag: str) -> list[Any] | None:
     """Every replica's part, in rank order, on the master (None elsewhere, and when alone: a collective)."""
     if runtime.world_size == 1:
