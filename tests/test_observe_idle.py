@@ -174,11 +174,12 @@ class FakeXlaDevice:
 
 
 def run_xla_loop(
-    input_delay: float, step: float, hand_outputs: bool = True, inline: bool = False
+    input_delay: float, step: float, hand_outputs: bool = True, inline: bool = False, trace: float = 0.0
 ) -> tuple[InputWait, FakeXlaDevice, float]:
     """The calls runtime.device.timed_parallel_loader and the trainer make, in order, on a fake device.
 
-    (wait, device, the loop's seconds until the device has run every step)
+    trace: the host's own seconds a step (tracing it). (wait, device, the loop's seconds until
+    the device has run every step)
     """
     device, wait = FakeXlaDevice(), InputWait()
     gaps = ReadyGaps(wait, device.on_ready)
@@ -190,13 +191,15 @@ def run_xla_loop(
         if previous is not None:
             device.hand_over(previous, step, inline)  # and cuts the graph of the step before
         asked = time.perf_counter()
-        gaps.handed_over()
+        # A slow input leaves the queue empty; so does the end (its marker comes after the last batch).
+        gaps.handed_over(will_wait=input_delay > 0 or index == STEPS)
         if index < STEPS:
-            time.sleep(input_delay)  # ParallelLoader.next_item: the queue is empty (not at the end)
+            time.sleep(input_delay)  # ParallelLoader.next_item
         wait.add(time.perf_counter() - asked)
         gaps.received(last=index == STEPS)
         if index == STEPS:
             break
+        time.sleep(trace)
         previous = object()  # the step's output (its loss)
         if hand_outputs:
             wait.note_output(previous)
@@ -227,13 +230,24 @@ def test_xla_ready_callbacks_measure_the_devices_gaps_not_the_hosts_wait(input_d
         assert wait.seconds > 0.25 * loop
 
 
+def test_steps_without_a_wait_are_sampled_for_the_devices_idle_time(monkeypatch):
+    """A host slower than the device (15 ms of tracing, 5 ms steps): 10 ms gaps, none of them the input's."""
+    monkeypatch.setattr(ReadyGaps, "SAMPLE_EVERY", 4)
+    wait, device, loop = run_xla_loop(0.0, 5 * MS, trace=15 * MS)
+    watched = sorted(wait.gaps.done)
+    assert watched == [0, 4, 8, STEPS - 1]  # the samples, and the last step (the end is waited for)
+    idle, caused = wait.gaps.settle()
+    assert idle == pytest.approx(device.idle, rel=0.25) and idle > 0.4 * loop
+    assert caused < 0.1 * loop
+
+
 def test_steps_still_running_at_the_epochs_end_count_as_busy():
     """No synchronisation to settle: a step whose output is not ready yet was running."""
     wait = InputWait()
     gaps = ReadyGaps(wait, lambda output, callback: None)  # nothing ever reports ready
     for index in range(3):
         gaps.asked()
-        gaps.handed_over()
+        gaps.handed_over(will_wait=True)
         gaps.received(last=index == 2)
         wait.note_output(object())
     idle, caused = gaps.settle()
@@ -251,7 +265,7 @@ def test_a_loop_without_outputs_or_with_host_values_measures_nothing():
     gaps = ReadyGaps(wait, not_device_data)
     for _ in range(2):
         gaps.asked()
-        gaps.handed_over()
+        gaps.handed_over(will_wait=True)
         gaps.received(last=False)
         wait.note_output(torch.zeros(()))
     assert gaps.settle() is None

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 class StepGaps(Protocol):
     """A device loader's record of the device's gaps between steps (observe.idle)."""
 
-    def settle(self) -> tuple[float, float] | None:
-        """(seconds the device idled between steps, the part of them the input caused); None: not measured."""
+    def settle(self) -> tuple[float | None, float] | None:
+        """(seconds the device idled between steps, the part the input caused); None: not measured."""
 
 
 @dataclass

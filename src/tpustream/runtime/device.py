@@ -104,13 +104,19 @@ def timed_parallel_loader(
         def next_item(self, device):
             start = time.perf_counter()
             if gaps is not None:
-                gaps.handed_over()
+                gaps.handed_over(will_wait=self.nothing_ready(device))
             item = super().next_item(device)
             if wait is not None:
                 wait.add(time.perf_counter() - start)
             if gaps is not None:
                 gaps.received(last=item is None)
             return item
+
+        def nothing_ready(self, device) -> bool:
+            # torch_xla 2.9's per-device queue (utils.keyd_queue.Queue) keeps its batches in a
+            # deque, _items; where it does not, every step is treated as followed by a wait.
+            items = getattr(self._queues[device].queue, "_items", None)
+            return items is None or not items
 
     # As MpDeviceLoader: never closed here; a later epoch's iteration makes a new one.
     return TimedLoader(source, [device], **kwargs).per_device_loader(device)

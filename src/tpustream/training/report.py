@@ -133,13 +133,14 @@ def read_epoch_records(output_dir: str) -> list[EpochRecord]:
 
 def time_shares(record: EpochRecord) -> str:
     """The epoch line's account of the loop: the device's idle shares where measured, the host's wait."""
-    device = (
-        f"input-bound {100 * record.input_bound_fraction:.0f}%, worst replica "
-        f"{100 * record.input_bound_fraction_worst:.0f}%; "
-        f"device idle {100 * record.device_idle_fraction:.0f}%; "
-        if record.input_bound_fraction is not None and record.device_idle_fraction is not None
-        else ""
-    )
+    device = ""
+    if record.input_bound_fraction is not None:
+        device += (
+            f"input-bound {100 * record.input_bound_fraction:.0f}%, worst replica "
+            f"{100 * record.input_bound_fraction_worst:.0f}%; "
+        )
+    if record.device_idle_fraction is not None:
+        device += f"device idle {100 * record.device_idle_fraction:.0f}%; "
     return (
         f"{device}host wait {100 * record.input_wait_fraction:.0f}%, worst replica "
         f"{100 * record.input_wait_fraction_worst:.0f}%; compile {record.compile_seconds:.1f}s, "
