@@ -9,7 +9,7 @@ dependencies installed, or on PYTHONPATH with src/):
     python -m bench.cuda_check OUT_DIR --fsdp     # strategy=fsdp (FSDP2) against ddp, ~4 min
     python -m bench.cuda_check OUT_DIR --fsdp --quick --accelerator cpu_eager   # its runs, no GPU
 
-Results of one H200 in bench/results/cuda/ (README: "GPUs").
+What one H200 gave: docs/gpus.md ("What has run on a GPU"); its OUT_DIR is not kept.
 
 Correctness (the digits demo, small_cnn, 1 GPU, 4 workers,
 accelerator.deterministic=true): a 3-epoch run; the same run stopped by

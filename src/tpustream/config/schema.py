@@ -59,13 +59,13 @@ class DataConfig:
     index: IndexMode = IndexMode.auto
     # Extra webdataset stages run on decoded samples, in order: import paths
     # "package.module:function" of callables taking and returning an iterator
-    # of {"image": uint8 CHW array, "label": int, ...} dicts (README: "Your own stages").
+    # of {"image": uint8 CHW array, "label": int, ...} dicts (docs/data.md: "Your own stages").
     stages: list[str] = field(default_factory=list)
     # Per-channel statistics of the training images, on the 0..1 scale.
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
     # DataLoader worker processes per replica (0 = read in the training process), or
-    # auto: chosen at start from the pipeline's measured rate (launch.workers; README).
+    # auto: chosen at start from the pipeline's measured rate (launch.workers; docs/watching.md).
     num_workers: Any = 2
     # Batches each worker prepares ahead.
     prefetch_factor: int = 4
@@ -73,7 +73,7 @@ class DataConfig:
     # for shuffling (the pipeline's memory bound); 0 = shard order only.
     shuffle_buffer: int = 2000
     # Canonical streams the training order is cut into, fixed when a run starts
-    # and kept by its checkpoints (README: "Resume on any shape"): a stopped run
+    # and kept by its checkpoints (docs/progress.md: "Resume on any shape"): a stopped run
     # continues on any number of replicas dividing it, with any workers up to
     # its share per replica. auto = a few per reader; 0 = a per-reader order
     # that resumes mid-epoch only on the same shape.
@@ -101,7 +101,7 @@ class DataConfig:
     # so its samples/s is the accelerator's rate, the yardstick for a real
     # run's. Shapes from the shards' manifest when there are shards, else from
     # num_classes, image_size and channels. No evaluation, no checkpoints;
-    # metrics.jsonl is marked "synthetic" (README: "Watching a run").
+    # metrics.jsonl is marked "synthetic" (docs/watching.md).
     synthetic: bool = False
     # data.synthetic: steps an epoch; null = the training split's steps, or 100 without shards.
     synthetic_steps: int | None = None
@@ -173,7 +173,7 @@ class AcceleratorConfig:
     # cudnn.benchmark, the fastest kernel per shape, last bits may differ.
     # channels_last: the model's weights and each batch in NHWC (tensor cores'
     # layout for convolutions). compile: torch.compile the model in place (its
-    # state_dict, so checkpoints, unchanged). README: "GPUs".
+    # state_dict, so checkpoints, unchanged). docs/gpus.md.
     deterministic: bool = False
     channels_last: bool = False
     compile: bool = False

@@ -24,7 +24,7 @@ where the trainer reads the epoch's loss anyway:
   (torch_xla's on_ready_callback); a gap is from then to the moment the next
   step's graph is cut and handed to the device.
 
-README "Watching a run" says what each includes and how far it can be off.
+docs/watching.md says what each includes and how far it can be off.
 """
 
 from __future__ import annotations

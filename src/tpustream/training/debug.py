@@ -22,7 +22,7 @@ from tpustream.runtime import Runtime
 from tpustream.training.periodic import itstime
 
 # The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the README match it).
+# they did before training/ was split (tests and the docs match it).
 log = logging.getLogger("tpustream.training")
 
 

@@ -12,7 +12,7 @@ from tpustream.config import Strategy
 from tpustream.training.trainer import Trainer
 
 # The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the README match it).
+# they did before training/ was split (tests and the docs match it).
 log = logging.getLogger("tpustream.training")
 
 

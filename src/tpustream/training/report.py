@@ -27,7 +27,7 @@ from tpustream.observe.flops import TRAINING_FACTOR
 from tpustream.runtime import Runtime
 
 # The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the README match it).
+# they did before training/ was split (tests and the docs match it).
 log = logging.getLogger("tpustream.training")
 
 

@@ -48,7 +48,7 @@ from tpustream.training.state import (
 from tpustream.training.step import StepHooks
 
 # The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the README match it).
+# they did before training/ was split (tests and the docs match it).
 log = logging.getLogger("tpustream.training")
 
 
