@@ -1,0 +1,154 @@
+"""README.md is the landing page, docs/ the reference: the site builds with no warning, named paths exist."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+# The guide's two commands, first and exactly so (.ci/run runs the second).
+DEMO_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python scripts/demo.py"
+TEST_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python -m pytest -n auto --dist loadgroup"
+README_MAX_LINES = 260
+
+# A path of this repository as the pages write it: under one of its top folders, or one
+# of its top files. The lookbehind leaves out the tail of a URL or of another path
+# (gs://BUCKET/tests/..., ~/tpustream/outputs/...).
+REPOSITORY_PATH = re.compile(
+    r"(?<![\w./:~-])"
+    r"((?:src|tests|bench|conf|scripts|docs|\.ci)/[\w./<>*{}-]*"
+    r"|(?:train\.py|pyproject\.toml|Dockerfile|mkdocs\.yml|README\.md)\b)"
+)
+# A code span that is a module path relative to the package, as the pages name modules:
+# `observe/chips.py`, `runtime/native.py`.
+PACKAGE_MODULE = re.compile(r"`([a-z_]+(?:/[a-z_]+)+\.py)`")
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def paths_in_a_fresh_clone() -> set[str]:
+    """Every file a clone will have and the folders holding them: tracked, or new and not ignored.
+
+    bench/results/ is git-ignored: a result there is in the repository only when force-added.
+    """
+    try:
+        command = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+        listed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: which files a clone holds is unknown")
+    paths = set()
+    for name in filter(None, listed.split("\0")):
+        parts = name.split("/")
+        paths.update("/".join(parts[: end + 1]) for end in range(len(parts)))
+    return paths
+
+
+def test_readme_opens_with_the_two_commands_and_stays_a_landing_page():
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) < README_MAX_LINES, (
+        f"README.md has {len(lines)} lines: it is the landing page (under {README_MAX_LINES}); "
+        "move reference text into docs/"
+    )
+    first_block = re.search(r"```bash\n(.*?)```", text, re.DOTALL)
+    assert first_block, "README.md has no bash block"
+    assert text.index("```bash") < text.index("\n## "), "the two commands come before the first section"
+    commands = [line for line in first_block.group(1).splitlines() if line and not line.startswith("#")]
+    assert commands == [DEMO_COMMAND, TEST_COMMAND]
+    assert TEST_COMMAND in (REPO / ".ci" / "run").read_text()
+    # The site's home page repeats them; they must not drift apart.
+    home = (REPO / "docs" / "index.md").read_text()
+    assert DEMO_COMMAND in home and TEST_COMMAND in home, "docs/index.md lost the README's two commands"
+
+
+def test_every_path_the_pages_name_is_in_the_repository():
+    present = paths_in_a_fresh_clone()
+    missing = []
+    for page in markdown_files():
+        text = page.read_text()
+        for match in REPOSITORY_PATH.finditer(text):
+            path = match.group(1).rstrip(".")
+            if any(mark in path for mark in "<>*{}"):  # a pattern (tests/test_<module>.py), not a path
+                continue
+            if path.rstrip("/") not in present:
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+        for match in PACKAGE_MODULE.finditer(text):
+            module = match.group(1)
+            if module not in present and f"src/tpustream/{module}" not in present:
+                missing.append(f"{page.relative_to(REPO)}: {module} (nor src/tpustream/{module})")
+    assert not missing, (
+        "named but not in a fresh clone (bench/results/ is git-ignored: cite the command that "
+        "makes a result, or force-add it):\n" + "\n".join(missing)
+    )
+
+
+class _Ids(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.ids.update(value for name, value in attrs if name == "id" and value)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site built by mkdocs' own strict build, in process; any warning fails it."""
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import Abort
+
+    site_dir = tmp_path_factory.mktemp("site")
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logger = logging.getLogger("mkdocs")
+    logger.addHandler(handler)
+    try:
+        config = load_config(str(REPO / "mkdocs.yml"), strict=True, site_dir=str(site_dir))
+        build(config)
+    except Abort as error:
+        warnings.append(str(error))
+    finally:
+        logger.removeHandler(handler)
+    assert not warnings, "mkdocs build --strict:\n" + "\n".join(warnings)
+    return site_dir
+
+
+def test_the_site_builds_strict_with_every_page_in_its_nav(site):
+    pages = {page.stem for page in (REPO / "docs").glob("*.md")}
+    built = {"index" if path.parent == site else path.parent.name for path in site.glob("**/index.html")}
+    assert pages <= built, f"pages not built: {sorted(pages - built)}"
+
+
+def test_readme_links_into_the_docs_reach_their_page_and_anchor(site):
+    links = re.findall(r"\]\((docs/[^)#\s]*)(?:#([^)\s]*))?\)", README.read_text())
+    linked = {Path(target).name for target, _ in links}
+    unlinked = {page.name for page in (REPO / "docs").glob("*.md")} - linked
+    assert not unlinked, f"README.md's Documentation list lacks {sorted(unlinked)}"
+    broken = []
+    for target, anchor in links:
+        if not (REPO / target).is_file():
+            broken.append(f"{target}: no such page")
+            continue
+        if not anchor:
+            continue
+        stem = Path(target).stem
+        html = site / ("index.html" if stem == "index" else f"{stem}/index.html")
+        parser = _Ids()
+        parser.feed(html.read_text())
+        if anchor not in parser.ids:
+            broken.append(f"{target}#{anchor}: no such anchor")
+    assert not broken, "README.md:\n" + "\n".join(broken)
