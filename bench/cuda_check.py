@@ -127,6 +127,12 @@ def steady(records: list[dict]) -> dict:
         "train_seconds": round(mean("train_seconds"), 2),
         "step_seconds": round(mean("step_seconds"), 2),
         "input_wait_fraction": round(mean("input_wait_fraction"), 3),
+        # The CUDA events' figures (observe.idle), first measured by this script on a GPU.
+        **{
+            key: round(mean(key), 3)
+            for key in ("input_bound_fraction", "device_idle_fraction")
+            if all(key in r for r in later)
+        },
         "mfu": round(mean("mfu"), 3) if any("mfu" in r for r in later) else None,
         "epoch0_train_seconds": round(records[0].get("train_seconds", 0), 2),
         "val_accuracy": records[-1].get("val_accuracy"),
