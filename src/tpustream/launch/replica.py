@@ -196,7 +196,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         if streams is not None:
             close_loaders(train_loader, val_loader)
         del profiler
-    if runtime.is_master:
+    if runtime.is_master and not cfg.eval_only:  # an evaluation's summary has no history
         log_finished(cfg, summary["history"])
     return summary
 
@@ -205,8 +205,6 @@ def log_finished(cfg: TrainConfig, history: list[dict[str, Any]]) -> None:
     """The master's last line: the epoch best.pt holds, by the weights it follows (or the synthetic rate)."""
     if cfg.data.synthetic:
         log.info("finished: %s; no checkpoints (data.synthetic)", describe_synthetic(history))
-    elif cfg.eval_only:
-        return
     elif (best := best_record(history, cfg.ema.select_best)) is not None:
         log.info(
             "finished: best validation accuracy %s; checkpoint %s",
