@@ -67,7 +67,7 @@ def test_round_trip_layout_and_resume_auto(output_dir):
     assert resolve_resume("auto", output_dir) is None
     url = checkpoint_url(output_dir, LAST)
     assert url == storage.join(output_dir, "checkpoints", "last.pt")
-    assert save_checkpoint(runtime, url, sample_state()) is None
+    assert save_checkpoint(runtime, url, sample_state()) == []
     assert runtime.barriers == [f"checkpoint:{url}"]
     assert resolve_resume("auto", output_dir) == url
     loaded = load_checkpoint(url)
@@ -189,9 +189,9 @@ def test_a_failed_write_keeps_the_checkpoint_locally_and_says_where(tmp_path, mo
     url = "gs://bkt/run/checkpoints/last.pt"
     with caplog.at_level(logging.ERROR):
         kept = save_checkpoint(runtime, url, sample_state(), fallback_dir=str(tmp_path / "unsaved"))
-    assert kept == str(tmp_path / "unsaved" / "gs" / "bkt" / "run" / "checkpoints" / "last.pt")
-    assert load_checkpoint(kept)["epoch"] == 3
-    assert f"could not write {url}" in caplog.text and kept in caplog.text
+    assert kept == [str(tmp_path / "unsaved" / "gs" / "bkt" / "run" / "checkpoints" / "last.pt")]
+    assert load_checkpoint(kept[0])["epoch"] == 3
+    assert f"could not write {url}" in caplog.text and kept[0] in caplog.text
     assert runtime.barriers  # peers are not left waiting for the master
     with pytest.raises(StorageError, match="connection refused"):
         save_checkpoint(runtime, url, sample_state())  # without a fallback folder the error is raised
@@ -230,3 +230,26 @@ def test_config_differences_name_dotted_keys_outside_the_ignored_ones():
     assert config_differences(saved, newer, defaults=schema_defaults()) == []
     newer["model"]["library"] = "timm"
     assert config_differences(saved, newer, defaults=schema_defaults()) == ["model.library: (unset) -> timm"]
+
+
+def test_a_checkpoint_and_its_copies_are_serialised_once(tmp_path, monkeypatch, caplog):
+    """Issue 36 (3): a new best epoch writes last.pt and copies it to best.pt, one encode for both."""
+    from tpustream import checkpoint as checkpoint_module
+
+    encoded = []
+    encode = checkpoint_module.encode_checkpoint
+    monkeypatch.setattr(
+        checkpoint_module, "encode_checkpoint", lambda state: encoded.append(1) or encode(state)
+    )
+    runtime = HostRuntime()
+    out = str(tmp_path / "run")
+    last, best = checkpoint_url(out, LAST), checkpoint_url(out, BEST)
+    assert save_checkpoint(runtime, last, sample_state(epoch=2), copies=[best]) == []
+    assert len(encoded) == 1 and storage.read_bytes(best) == storage.read_bytes(last)
+    assert load_checkpoint(best)["epoch"] == 2
+    # A copy that fails is written from the bytes in hand instead.
+    monkeypatch.setattr(storage, "copy", lambda source, url: (_ for _ in ()).throw(StorageError("no copy")))
+    with caplog.at_level(logging.WARNING):
+        save_checkpoint(runtime, last, sample_state(epoch=3), copies=[best])
+    assert load_checkpoint(best)["epoch"] == 3 and len(encoded) == 2
+    assert f"could not copy {last} to {best} (no copy); writing it" in caplog.text

@@ -512,3 +512,24 @@ def test_probe_writable_names_a_missing_bucket(missing_bucket):
     with pytest.raises(StorageError) as refused:
         storage.probe_writable(folder)
     assert str(refused.value) == f"{folder}: cannot write here (bucket gs://{missing_bucket} does not exist)"
+
+
+def test_copy_replaces_the_target_whole_without_rewriting_the_bytes(root, tmp_path):
+    """Issue 36 (3): best.pt as a copy of last.pt: a hard link locally, a server-side copy on GCS."""
+    source, target = f"{root}/last.pt", f"{root}/best.pt"
+    storage.write_bytes_verified(source, b"epoch 3")
+    storage.write_bytes_verified(target, b"an older best")
+    storage.copy(source, target)
+    assert storage.read_bytes(target) == b"epoch 3" and storage.read_bytes(source) == b"epoch 3"
+    if not root.startswith("gs://"):  # the same bytes on disk, and no temporary file left behind
+        assert os.stat(target).st_ino == os.stat(source).st_ino
+        assert sorted(os.listdir(root)) == ["best.pt", "last.pt"]
+    storage.write_bytes_verified(source, b"epoch 4")  # a later last.pt leaves the copy as it was
+    assert storage.read_bytes(target) == b"epoch 3"
+    with pytest.raises(StorageError):
+        storage.copy(f"{root}/missing.pt", target)
+    assert storage.read_bytes(target) == b"epoch 3"
+    # Across schemes the bytes are read and written.
+    local = str(tmp_path / "copied.pt")
+    storage.copy(source, local)
+    assert storage.read_bytes(local) == b"epoch 4"

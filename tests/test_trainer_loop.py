@@ -117,6 +117,24 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
     )
 
 
+def test_a_new_best_epoch_is_serialised_once_and_best_pt_is_a_copy_of_last_pt(
+    fake_job, tmp_path, monkeypatch
+):
+    """Issue 36 (3): an epoch that is a new best and last.pt costs one encode; best.pt is its copy."""
+    from tpustream import checkpoint as checkpoint_module
+    from tpustream import storage
+
+    encoded, copied = [], []
+    encode, copy = checkpoint_module.encode_checkpoint, storage.copy
+    monkeypatch.setattr(checkpoint_module, "encode_checkpoint", lambda s: encoded.append(1) or encode(s))
+    monkeypatch.setattr(storage, "copy", lambda source, url: copied.append(url) or copy(source, url))
+    run = str(tmp_path / "run")
+    (summary,) = fake_job(tiny_config(run, epochs=1)).results
+    assert summary["best_epoch"] == 0  # the first evaluated epoch is always a new best
+    assert len(encoded) == 1 and copied == [checkpoint_url(run, BEST)]
+    assert storage.read_bytes(checkpoint_url(run, BEST)) == storage.read_bytes(checkpoint_url(run, LAST))
+
+
 def test_replicas_split_the_epoch_and_reduce_its_metrics_exactly(fake_job, tmp_path):
     job = fake_job(tiny_config(str(tmp_path / "run"), epochs=1), world_size=3)
     # Every replica computed the same reduced numbers (times are each replica's own).

@@ -23,7 +23,7 @@ import logging
 import os
 import re
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -229,31 +229,55 @@ def load_checkpoint(url: str) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    runtime: Runtime, url: str, state: dict[str, Any], fallback_dir: str | None = None
-) -> str | None:
-    """Write state to url from the master replica; every replica must call this.
+    runtime: Runtime,
+    url: str,
+    state: dict[str, Any],
+    fallback_dir: str | None = None,
+    copies: Sequence[str] = (),
+) -> list[str]:
+    """Write state to url, and to each of copies, from the master replica; every replica must call this.
 
-    Every replica waits at a barrier until the write is done, so none runs
-    ahead or exits before it (under PJRT xm.save no longer synchronises).
-    If the write fails after the storage client's retries, the master keeps
-    the checkpoint in fallback_dir, logs where, and returns that path;
-    training goes on.
+    Serialised once: each copy is a copy of url's object (a hard link, a GCS
+    server-side copy; storage.copy), made after url is whole, so a new best
+    epoch that is also last.pt costs one write, not two. Every replica waits
+    at a barrier until the writes are done, so none runs ahead or exits
+    before them (under PJRT xm.save no longer synchronises). A write that
+    fails after the storage client's retries is kept in fallback_dir, logged
+    with where, and returned in the list (the paths kept locally); training
+    goes on.
     """
     host_state = runtime.state_to_host(state)
-    kept_at: str | None = None
+    kept: list[str] = []
     if host_state is not None:
         data = encode_checkpoint(host_state)
-        try:
-            storage.write_bytes_verified(url, data)
-            log.info("saved %s (%.1f MB)", url, len(data) / 1e6)
-        except StorageError as exc:
-            if fallback_dir is None:
-                raise
-            kept_at = os.path.join(fallback_dir, url.replace("://", "/").lstrip("/"))
-            storage.write_bytes(kept_at, data)
-            log.error("could not write %s (%s); kept the checkpoint at %s", url, exc, kept_at)
+        written = _write_or_keep(url, data, fallback_dir, kept)
+        for target in copies:
+            try:
+                if not written:
+                    raise StorageError(f"{url} was not written")
+                storage.copy(url, target)
+                log.info("saved %s (a copy of %s)", target, url)
+            except StorageError as exc:  # the bytes are still here: write them
+                log.warning("could not copy %s to %s (%s); writing it", url, target, exc)
+                _write_or_keep(target, data, fallback_dir, kept)
     runtime.barrier(f"checkpoint:{url}")
-    return kept_at
+    return kept
+
+
+def _write_or_keep(url: str, data: bytes, fallback_dir: str | None, kept: list[str]) -> bool:
+    """write_bytes_verified, or on failure the bytes kept in fallback_dir (added to kept); True if written."""
+    try:
+        storage.write_bytes_verified(url, data)
+        log.info("saved %s (%.1f MB)", url, len(data) / 1e6)
+        return True
+    except StorageError as exc:
+        if fallback_dir is None:
+            raise
+        kept_at = os.path.join(fallback_dir, url.replace("://", "/").lstrip("/"))
+        storage.write_bytes(kept_at, data)
+        log.error("could not write %s (%s); kept the checkpoint at %s", url, exc, kept_at)
+        kept.append(kept_at)
+        return False
 
 
 class ResumePoint(NamedTuple):

@@ -153,6 +153,20 @@ def write_bytes_verified(url: str, data: bytes) -> None:
     find_scheme(url).write_bytes_verified(url, data)
 
 
+def copy(source: str, url: str) -> None:
+    """Copy source to url as write_bytes_verified writes: readers see the old url or all of the new.
+
+    Within a scheme without the bytes passing through this process where the
+    scheme allows (a hard link, a GCS server-side copy); across schemes, read
+    and written.
+    """
+    scheme = find_scheme(url)
+    if scheme is find_scheme(source):
+        scheme.copy(source, url)
+    else:
+        scheme.write_bytes_verified(url, find_scheme(source).read_bytes(source))
+
+
 def delete(url: str) -> bool:
     """Remove a file or object; False if it was not there."""
     return find_scheme(url).delete(url)

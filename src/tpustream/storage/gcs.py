@@ -258,6 +258,31 @@ def write_bytes_verified(url: str, data: bytes) -> None:
             temp.delete(retry=gcs_retry())
 
 
+def copy(source: str, url: str) -> None:
+    """A server-side copy (no bytes through this host), under the same generation precondition as
+    write_bytes_verified: the destination is still the object we looked at, or absent."""
+    from google.api_core import exceptions as gexc
+
+    source_bucket, source_name = split_gcs_url(source)
+    bucket_name, name = split_gcs_url(url)
+    client = gcs_client()
+    bucket = client.bucket(bucket_name)
+    try:
+        blob = client.bucket(source_bucket).get_blob(source_name, retry=gcs_retry())
+        if blob is None:
+            raise StorageError(f"{source}: no such object to copy to {url}")
+        current = bucket.get_blob(name, retry=gcs_retry())
+        client.bucket(source_bucket).copy_blob(
+            blob, bucket, name, if_generation_match=current.generation if current else 0, retry=gcs_retry()
+        )
+    except gexc.PreconditionFailed as exc:
+        # As in write_bytes_verified: a retried copy whose first attempt went through.
+        if not _holds(bucket, name, blob.crc32c, blob.size):
+            raise StorageError(f"{url}: changed by another writer while we copied; not overwritten") from exc
+    except gcs_failures() as exc:
+        raise _gcs_error(url, exc) from exc
+
+
 def _holds(bucket, name: str, crc32c: str, size: int) -> bool:
     """Whether the object bucket/name has exactly this crc32c and size."""
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat as stat_mode
 import uuid
 from typing import BinaryIO
@@ -98,6 +99,30 @@ def write_bytes(url: str, data: bytes) -> None:
 def write_bytes_verified(url: str, data: bytes) -> None:
     """Temporary file, fsync, rename: write_bytes already never shows a half-written file."""
     write_bytes(url, data)
+
+
+def copy(source: str, url: str) -> None:
+    """A hard link (or, where there is none, a copy) under a temporary name, then a rename.
+
+    The link shares the source's bytes, fsynced when they were written: no
+    second write of a checkpoint; readers of url see the old file or the new.
+    """
+    path = path_of(url)
+    folder = os.path.dirname(path) or "."
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        try:
+            os.link(path_of(source), tmp)
+        except OSError:  # another file system, or none that links (some FUSE mounts)
+            shutil.copyfile(path_of(source), tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise StorageError(f"{url}: {exc.strerror or exc}") from exc
 
 
 def delete(url: str) -> bool:

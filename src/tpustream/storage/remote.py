@@ -177,6 +177,10 @@ def write_bytes_verified(url: str, data: bytes) -> None:
     raise _refuse_write(url)
 
 
+def copy(source: str, url: str) -> None:
+    raise _refuse_write(url)
+
+
 def delete(url: str) -> bool:
     raise _refuse_write(url)
 

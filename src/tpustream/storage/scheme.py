@@ -37,6 +37,9 @@ class Scheme(Protocol):
 
     def write_bytes_verified(self, url: str, data: bytes) -> None: ...
 
+    def copy(self, source: str, url: str) -> None:
+        """Copy source (same scheme) to url so that readers see the old url or all of the new."""
+
     def delete(self, url: str) -> bool: ...
 
     def has_same_content(self, url: str, data: bytes) -> bool: ...

@@ -297,17 +297,16 @@ class CheckpointWriter:
         # nothing to resume (its run restarts in seconds). Every replica skips alike.
         self.writes = not cfg.data.synthetic
 
-    def save(self, name: str, state: Callable[[], dict[str, Any]]) -> None:
-        """Write checkpoint `name` of state() (every replica calls this; the master writes).
+    def save(self, name: str, state: Callable[[], dict[str, Any]], copies: tuple[str, ...] = ()) -> None:
+        """Write checkpoint `name` of state(), and copies of it (every replica calls this; the master writes).
 
         state is a collective, taken only when something is written.
         """
         if not self.writes:
             return
         url = checkpoint.checkpoint_url(self.output_dir, name)
-        kept = checkpoint.save_checkpoint(self.runtime, url, state(), self.fallback_dir)
-        if kept:
-            self.unsaved.append(kept)
+        targets = [checkpoint.checkpoint_url(self.output_dir, copy) for copy in copies]
+        self.unsaved += checkpoint.save_checkpoint(self.runtime, url, state(), self.fallback_dir, targets)
 
     def raise_if_unsaved(self) -> None:
         """At the end of a run: training went on past failed writes; the run must not look successful."""

@@ -217,9 +217,9 @@ class Trainer(StepHooks):
         self._ran_once.add(what)
         return first
 
-    def _save(self, name: str) -> None:
+    def _save(self, name: str, copies: tuple[str, ...] = ()) -> None:
         start = time.time()
-        self.checkpoints.save(name, self.checkpoint_state)
+        self.checkpoints.save(name, self.checkpoint_state, copies)
         self.checkpoint_seconds += time.time() - start
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
@@ -349,9 +349,8 @@ class Trainer(StepHooks):
         )
         self.epoch, self.step = epoch + 1, 0
         self.pending_train_metrics = None
-        if improved:
-            self._save(checkpoint.BEST)
-        self._save(checkpoint.LAST)
+        # One serialisation for both: best.pt is a copy of last.pt (a hard link, a GCS server-side copy).
+        self._save(checkpoint.LAST, copies=(checkpoint.BEST,) if improved else ())
         self.reporter.write_history(self.history)
         self.debug.at_epoch_end(epoch, first_end)
 
