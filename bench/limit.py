@@ -30,21 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.ab import REPO, steady_rate, train_command
+from tpustream.observe.advice import mean_of, measured
 
 KINDS = ("synthetic", "real")
 # Both runs: no evaluation (only the loop's rate counts), and their own folders.
 COMMON = ("eval_every=0",)
-
-
-def steady(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The epochs rates are read from: all but epoch 0 (workers start, graphs compile) if there are others."""
-    return list(records[1:] if len(records) > 1 else records)
-
-
-def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    """The mean of `key` over records that have it (None: the run measured no such figure)."""
-    values = [r[key] for r in records if r.get(key) is not None]
-    return statistics.fmean(values) if values else None
 
 
 def summarise(synthetic: Sequence[float], real: Sequence[float], measured: dict[str, Any]) -> dict[str, Any]:
@@ -135,10 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             records = [json.loads(line) for line in f if line.strip()]
         rates[kind].append(steady_rate(records))
         if kind == "real":
-            real_records.extend(steady(records))
+            real_records.extend(measured(records))
         print(f"{folder.name}: {rates[kind][-1]:.1f} samples/s", flush=True)
-    measured = {key: mean_of(real_records, key) for key in ("input_bound_fraction", "input_wait_fraction")}
-    summary = summarise(rates["synthetic"], rates["real"], measured)
+    shares = {key: mean_of(real_records, key) for key in ("input_bound_fraction", "input_wait_fraction")}
+    summary = summarise(rates["synthetic"], rates["real"], shares)
     summary.update(
         command=shlex.join(["python", "-m", "bench.limit", *argv]),
         measured=datetime.datetime.now().astimezone().isoformat(timespec="minutes"),

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpustream import storage
-from tpustream.observe.advice import advise, advise_runs, measured
+from tpustream.observe.advice import advise, advise_runs, mean_of, measured
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
 from tpustream.observe.synthetic import describe_synthetic, is_synthetic, synthetic_twin_rate
@@ -107,10 +107,6 @@ def epoch_table(run: Run, synthetic_rate: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def comparison_table(runs: Sequence[Run], twins: Mapping[str, float | None] | None = None) -> str:
     """A row per run: the accuracy of the epoch its best.pt holds, its speed, what differs.
 
@@ -131,9 +127,8 @@ def comparison_table(runs: Sequence[Run], twins: Mapping[str, float | None] | No
         steady = measured(run.records)
         select_best = select_best_of(run.config)
         best = best_record(run.records, select_best) or {}
-        rate = mean([r["global_rate"] for r in steady if r.get("global_rate") is not None])
-        wait = mean([r["input_wait_fraction"] for r in steady if r.get("input_wait_fraction") is not None])
-        bound = mean([r["input_bound_fraction"] for r in steady if r.get("input_bound_fraction") is not None])
+        rate = mean_of(steady, "global_rate")
+        wait, bound = mean_of(steady, "input_wait_fraction"), mean_of(steady, "input_bound_fraction")
         flat = flatten(run.config)
         overrides = " ".join(f"{key}={flat.get(key)}" for key in keys)
         rate_text = "-" if rate is None else f"{rate:.1f}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tpustream.observe.advice import measured
+from tpustream.observe.advice import mean_of, measured
 
 # Config keys a synthetic run's rate does not depend on: where the data comes from and
 # how it is read (data.*: its shapes are the data's), where the run writes, how long it
@@ -49,22 +49,21 @@ def describe_synthetic(records: Sequence[Mapping[str, Any]]) -> str:
     steady = measured(records)
     if not steady:
         return "synthetic: no epoch finished"
-    rate = sum(r["global_rate"] for r in steady) / len(steady)
+    rate = mean_of(steady, "global_rate")
     step = sum(r["train_seconds"] for r in steady) / max(sum(r["replica_steps"] for r in steady), 1)
     first, last = steady[0]["epoch"], steady[-1]["epoch"]
     if len(records) == 1:
         epochs = f"epoch {first}, compilation included"
     else:
         epochs = f"steady epoch {first}" if first == last else f"steady epochs {first}-{last}"
-    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-    mfu = f", MFU {100 * sum(mfus) / len(mfus):.1f}%" if mfus else ""
+    mean_mfu = mean_of(steady, "mfu")
+    mfu = "" if mean_mfu is None else f", MFU {100 * mean_mfu:.1f}%"
     return f"synthetic: {rate:.1f} samples/s ({epochs}), step {1000 * step:.1f} ms{mfu}"
 
 
 def steady_rate(records: Sequence[Mapping[str, Any]]) -> float | None:
     """Mean global samples/s of the steady epochs (None without an epoch)."""
-    rates = [r["global_rate"] for r in measured(records) if r.get("global_rate") is not None]
-    return sum(rates) / len(rates) if rates else None
+    return mean_of(measured(records), "global_rate")
 
 
 def the_step(config: Mapping[str, Any]) -> dict[str, Any]:
