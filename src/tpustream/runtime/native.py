@@ -124,7 +124,7 @@ class NativeRuntime(HostCollectives):
         if self.device.type == "cpu":
             if wait is not None:
                 wait.gaps = SynchronousGaps(wait)  # eager on the CPU: idle exactly while waiting
-            yield from map(self._laid_out, batches)  # the batch is where the model is
+            yield from map(self.place_batch, batches)  # the batch is where the model is
             return
         # Events on the compute stream at each step's start and end (observe.idle).
         gaps = None if wait is None else EventGaps(wait, _recorded_event)
@@ -133,7 +133,7 @@ class NativeRuntime(HostCollectives):
         # One batch ahead: the next batch's copy is queued before this one is trained on.
         pending = None
         for batch in batches:
-            moved = self._laid_out(_to_device(batch, self.device))
+            moved = self.place_batch(batch)
             if pending is not None:
                 yield from _between_events(pending, gaps)
             pending = moved
