@@ -1,0 +1,173 @@
+"""bench.feed's rows: each one's command, run in its own process group under its own time limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.ab import REPO, train_command
+from tpustream.observe.advice import mean_of, measured
+
+# What the run measured about its own input, where its metrics.jsonl has it.
+SHARES = ("input_bound_fraction", "input_wait_fraction")
+# Lines of a failed row's output kept in results.json.
+TAIL_LINES = 30
+
+
+@dataclass
+class Row:
+    """One line of the table: a run of train.py or of the stock loop."""
+
+    name: str  # "synthetic", "tpustream w=8", "stock w=15"
+    input: str  # "synthetic", "tpustream" or "stock"
+    workers: int | None
+    folder: Path  # the run folder: metrics.jsonl and output.log
+    command: list[str]
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def train_overrides(args: Any, root: Path) -> list[str]:
+    """train.py's settings shared by the synthetic and tpustream rows (the stock loop takes the same)."""
+    return [
+        f"accelerator={args.accelerator}",
+        "data=imagenet",
+        f"data.root={root}",
+        f"model={args.model}",
+        f"data.image_size={args.image_size}",
+        f"batch_size={args.batch_size}",
+        "precision=bf16",
+        "accelerator.channels_last=true",
+        "eval_every=0",  # only the training loop's rate is compared
+    ]
+
+
+def stock_command(args: Any, root: Path, workers: int, folder: Path, num_classes: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.feed.stock",
+        f"--shards={root / 'train'}",
+        f"--out={folder}",
+        f"--workers={workers}",
+        f"--epochs={args.epochs}",
+        f"--model={args.model}",
+        f"--image-size={args.image_size}",
+        f"--batch-size={args.batch_size}",
+        f"--num-classes={num_classes}",
+        "--precision=bf16",
+        f"--accelerator={args.accelerator}",
+    ]
+
+
+def plan_rows(args: Any, root: Path, runs: Path, num_classes: int) -> list[Row]:
+    """synthetic, then tpustream per --workers, then stock per --stock-workers, in the order they run."""
+    common = train_overrides(args, root)
+    rows = [
+        Row(
+            "synthetic",
+            "synthetic",
+            None,
+            runs / "synthetic",
+            train_command(REPO, runs / "synthetic", args.epochs, [*common, "data.synthetic=true"]),
+        )
+    ]
+    for workers in args.workers:
+        folder = runs / f"tpustream-w{workers}"
+        overrides = [*common, f"data.num_workers={workers}"]
+        rows.append(
+            Row(
+                f"tpustream w={workers}",
+                "tpustream",
+                workers,
+                folder,
+                train_command(REPO, folder, args.epochs, overrides),
+            )
+        )
+    for workers in args.stock_workers:
+        folder = runs / f"stock-w{workers}"
+        command = stock_command(args, root, workers, folder, num_classes)
+        rows.append(Row(f"stock w={workers}", "stock", workers, folder, command))
+    return rows
+
+
+def child_environment() -> dict[str, str]:
+    """src/ and the repository first on PYTHONPATH (tpustream, and bench.feed.stock for -m)."""
+    paths = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def run_command(command: list[str], log_path: Path, timeout: float) -> tuple[int | None, float]:
+    """(exit code or None when it ran past timeout, seconds); output to log_path.
+
+    A session of its own, so a timeout ends the whole tree (train.py's
+    replica and DataLoader workers), not only the process started here.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=child_environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    return code, time.perf_counter() - started
+
+
+def read_records(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarise_run(records: list[dict]) -> dict[str, Any]:
+    """The steady rate (epochs after the first; none with fewer than two) and the run's own input shares."""
+    steady = measured(records) if len(records) > 1 else []
+    return {
+        "images_per_second": mean_of(steady, "global_rate"),
+        "epoch_rates": [r.get("global_rate") for r in records],
+        **{key: mean_of(steady, key) for key in SHARES},
+    }
+
+
+def run_row(row: Row, timeout: float) -> dict[str, Any]:
+    """Run the row; its result (what it measured, even if it failed after some epochs)."""
+    log_path = row.folder / "output.log"
+    code, seconds = run_command(row.command, log_path, timeout)
+    # Nothing here reads train.py's last.pt (ResNet-50's: ~200 MB with its momentum a row).
+    shutil.rmtree(row.folder / "checkpoints", ignore_errors=True)
+    result: dict[str, Any] = {
+        "exit_code": code,
+        "seconds": seconds,
+        **summarise_run(read_records(row.folder)),
+    }
+    if code != 0:
+        result["error"] = "timed out" if code is None else f"exit code {code}"
+        result["output_tail"] = log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+    return result
+
+
+def describe_result(row: Row) -> str:
+    """The line printed as each row finishes."""
+    result = row.result
+    rate = result.get("images_per_second")
+    measured_text = "no steady rate" if rate is None else f"{rate:.1f} images/s"
+    error = f" ({result['error']}; {row.folder / 'output.log'})" if "error" in result else ""
+    return f"{row.name}: {measured_text} in {result['seconds']:.0f} s{error}"
