@@ -361,10 +361,11 @@ def raw_batches(
     batches = []
     for index, epoch in enumerate(epochs):
         s.set_epoch(epoch, skip_batches=skip if index == 0 else 0)
-        # The DataLoader itself (CountingLoader pops filled and sample_id), and
-        # a loop rather than list(): list() asks len() after the iterator has
-        # taken its length, which makes DataLoader warn after set_epoch.
-        for batch in loader.loader:
+        # Whole batches with every field (CountingLoader's iteration pops
+        # filled and sample_id), and a loop rather than list(): list() asks
+        # len() after the iterator has taken its length, which makes
+        # DataLoader warn after set_epoch.
+        for batch in loader.assembled():
             batches.append(batch)
     loader.close()
     return batches

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from bench import pipeline
-from bench.pipeline import cifar, imagenet
+from bench.pipeline import cifar, imagenet, scaling
 from bench.pipeline.harness import BATCH_SIZE, BENCH
 
 # Each dataset module supplies DEFAULT_NUM_IMAGES, QUICK_NUM_IMAGES, RESULTS (a
@@ -53,7 +55,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="instead of benchmarking, cProfile one pass of CONFIG with 0 workers (repeatable; "
         "imagenet: its training form)",
     )
+    parser.add_argument(
+        "--workers",
+        type=worker_counts,
+        default=None,
+        help="imagenet only: instead of the configurations, how the trainer's loader scales with these "
+        "DataLoader worker counts, e.g. 1,2,4 (bench.pipeline.scaling)",
+    )
+    parser.add_argument(
+        "--data",
+        default=os.path.join(tempfile.gettempdir(), "tpustream-scaling"),
+        help="--workers: where its images are made once and reused",
+    )
+    parser.add_argument(
+        "--stage-images",
+        type=int,
+        default=scaling.DEFAULT_STAGE_IMAGES,
+        help="--workers: images the per-stage times are measured on",
+    )
     args = parser.parse_args(argv)
+    if args.workers is not None:
+        if args.dataset != "imagenet":
+            parser.error("--workers measures the imagenet pipeline: add --dataset imagenet")
+        if args.num_images is None:
+            args.num_images = scaling.DEFAULT_NUM_IMAGES
+        if args.out is None:
+            args.out = BENCH / imagenet.RESULTS / "scaling"
+        if args.min_seconds is None:
+            args.min_seconds = 5.0
+        return args
     dataset = DATASETS[args.dataset]
     if args.num_images is None:
         args.num_images = dataset.QUICK_NUM_IMAGES if args.quick else dataset.DEFAULT_NUM_IMAGES
@@ -70,10 +100,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"worker counts separated by commas, e.g. 1,2,4; got {text!r}"
+        ) from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"worker counts must be at least 1; got {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    return DATASETS[args.dataset].run(args, " ".join(["python", "-m", "bench.pipeline", *argv]))
+    command = " ".join(["python", "-m", "bench.pipeline", *argv])
+    if args.workers is not None:
+        return scaling.run(args, command)
+    return DATASETS[args.dataset].run(args, command)
 
 
 if __name__ == "__main__":

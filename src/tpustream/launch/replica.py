@@ -112,15 +112,19 @@ def start_loaders(cfg: TrainConfig, runtime, train_stream, val_stream) -> tuple[
     from tpustream.data.read.loader import make_loader
 
     worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
+    # A GPU copies batches from page-locked memory asynchronously: the loader's
+    # one copy of each batch, out of the workers' shared slots, goes there.
+    pin = getattr(runtime, "device", None) is not None and runtime.device.type == "cuda"
     train_loader = make_loader(
         train_stream,
         cfg.data.num_workers,
         cfg.data.prefetch_factor,
         worker_init_fn=worker_init,
         record_ids=bool(cfg.debug.sample_log_dir),
+        pin_memory=pin,
     )
     val_loader = make_loader(
-        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init
+        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init, pin_memory=pin
     )
     # Both loaders' workers start here, on this main thread, immune to stop
     # signals: started later by the training loop's thread (validation's after

@@ -6,6 +6,7 @@ bad data left empty, and checks that every planned batch arrived.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -16,10 +17,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from tpustream.data.read.assemble import SlotBatches, in_background
 from tpustream.data.read.stream import ShardStream
 from tpustream.errors import DataError, TpustreamError
 from tpustream.preemption import exit_with_parent, stop_signals_blocked
 
+# Batches the receiving thread has ready ahead of the consumer.
+READY_BATCHES = 2
 # Shards with bad data each replica remembers per pass, for the error that names them.
 MAX_BAD_SHARDS = 3
 # The replica's fork server imports this first: it makes the server ignore
@@ -59,9 +63,13 @@ class CountingLoader:
     It is the trainer's ``training.source.EpochSource``.
     """
 
-    def __init__(self, loader: DataLoader, record_ids: bool = False):
+    def __init__(self, loader: DataLoader, record_ids: bool = False, pin_memory: bool = False):
         self.loader = loader
         self.record_ids = record_ids
+        # Batches' images in page-locked memory (for a GPU): the one copy out
+        # of the workers' shared slots is then also the pin.
+        self.pin_memory = pin_memory
+        self._receiving: Iterator[dict] | None = None  # the current pass's receiving thread, if any
         self.filled = 0
         self.batches = 0
         self.sample_ids: list[np.ndarray] = []
@@ -85,7 +93,7 @@ class CountingLoader:
         self.sample_ids = []
         self.bad_shards = []
         try:
-            for batch in self.batches_of(iter(self.loader)):
+            for batch in self.assembled():
                 self.filled += int(batch.pop("filled"))
                 for url in batch.pop("bad_shards", ()):
                     if len(self.bad_shards) < MAX_BAD_SHARDS and url not in self.bad_shards:
@@ -97,6 +105,31 @@ class CountingLoader:
                 yield batch
         except TpustreamError as exc:
             raise _unwrap_worker_error(exc) from exc
+
+    def assembled(self) -> Iterator[dict]:
+        """This pass's whole batches, every field (filled and sample_id included).
+
+        With workers, they write into the stream's shared slots
+        (data.read.assemble) and a thread of this process receives their
+        pieces and copies each batch out, a couple of batches ahead of the
+        consumer.
+        """
+        dataset = self.loader.dataset
+        slots = getattr(dataset, "slots", None) if self.loader.num_workers > 0 else None
+        if slots is None:
+            return self.batches_of(iter(self.loader))
+        # One pass at a time drives the DataLoader: an abandoned pass's thread stops first.
+        self._stop_receiving()
+        slots.begin_pass()
+        assemble = SlotBatches(slots, dataset.pieces_per_batch, self.pin_memory)
+        self._receiving = in_background(lambda: assemble(iter(self.loader)), READY_BATCHES, slots.abandon)
+        return self._receiving
+
+    def _stop_receiving(self) -> None:
+        if self._receiving is not None:
+            with contextlib.suppress(ValueError):  # executing on another thread: it ends with the workers
+                self._receiving.close()
+            self._receiving = None
 
     def batches_of(self, items: Iterator[dict]) -> Iterator[dict]:
         """The DataLoader's items as batches: one piece per worker each under a canonical partition.
@@ -140,6 +173,7 @@ class CountingLoader:
         Each takes a second or so to exit (a Python process with torch
         loaded); told together, the workers of several loaders exit at once.
         """
+        self._abandon_slots()
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is None or not hasattr(iterator, "_mark_worker_as_unavailable"):
             return
@@ -156,10 +190,18 @@ class CountingLoader:
         DataLoader has no public close; its iterator's shutdown tells the
         workers to leave their loop, joins them, and kills stragglers.
         """
+        self._abandon_slots()
+        self._stop_receiving()
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
         self.loader._iterator = None
+
+    def _abandon_slots(self) -> None:
+        """Workers waiting for a slot go on, so that they can see they are told to stop."""
+        slots = getattr(self.loader.dataset, "slots", None)
+        if slots is not None:
+            slots.abandon()
 
     def raise_if_incomplete(self, split: str) -> None:
         if self.batches != len(self):
@@ -203,13 +245,21 @@ def make_loader(
     prefetch_factor: int = 4,
     worker_init_fn: Callable[[int], None] | None = None,
     record_ids: bool = False,
+    pin_memory: bool = False,
 ) -> CountingLoader:
-    """A DataLoader over a ShardStream (its num_workers must match the stream's plan)."""
+    """A DataLoader over a ShardStream (its num_workers must match the stream's plan).
+
+    pin_memory: batches in page-locked memory, for a GPU (with workers).
+    """
     if num_workers != stream.num_workers:
         raise ValueError("the stream was planned for a different number of workers")
     loader = DataLoader(
         stream,
         batch_size=None,
+        # The stream's items as they are: DataLoader's default would turn a
+        # worker's numpy arrays into tensors, each then sent as a
+        # shared-memory file of its own (data.read.assemble).
+        collate_fn=_unchanged,
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         # Workers start once per run, not per epoch: starting one costs a fork
@@ -218,4 +268,8 @@ def make_loader(
         worker_init_fn=functools.partial(_start_worker, os.getpid(), worker_init_fn) if num_workers else None,
         multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
-    return CountingLoader(loader, record_ids)
+    return CountingLoader(loader, record_ids, pin_memory=pin_memory and num_workers > 0)
+
+
+def _unchanged(item: dict) -> dict:
+    return item

@@ -21,6 +21,7 @@ from tpustream import storage
 from tpustream.config import OnError
 from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, open_tar_stream
+from tpustream.data.read.assemble import SlotWriter
 from tpustream.data.read.augment import random_crop_flip
 from tpustream.data.read.plan import SampleSpan
 from tpustream.errors import DataError
@@ -256,6 +257,7 @@ def batch_samples(
     num_batches: int,
     shape: Sequence[int],
     on_error: ErrorPolicy,
+    writer: SlotWriter | None = None,
 ) -> Iterator[Batch]:
     """Exactly num_batches full batches, whatever the stream delivers.
 
@@ -263,15 +265,18 @@ def batch_samples(
     already seen by this worker (or zeros if there are none), marked not real,
     so shapes and step counts stay fixed. Surplus samples are never read.
     Each batch's "filled" is the real samples on_error counted lost while it
-    was assembled.
+    was assembled. Images are written where the batch goes: the worker's
+    place in a shared slot (writer), else a new array per batch.
     """
-    images = np.empty((batch_size, *shape), np.uint8)
     labels = np.empty(batch_size, np.int64)
     real = np.empty(batch_size, bool)
     ids = np.empty(batch_size, np.int64)
     source = iter(samples)
     reserve: Batch | None = None
-    for _ in range(num_batches):
+    for index in range(num_batches):
+        # Each batch its own array: the previous one may still be in use
+        # (the reserve below, or the pickled piece on its way to the replica).
+        images = writer.region(index) if writer is not None else np.empty((batch_size, *shape), np.uint8)
         count = 0
         for sample in source:
             images[count] = sample.image
@@ -297,7 +302,7 @@ def batch_samples(
                 labels[count:] = donor.labels[take]
             real[count:] = False
             ids[count:] = -1
-        batch = Batch(images.copy(), labels.copy(), real.copy(), on_error.take_lost(), ids.copy())
+        batch = Batch(images, labels.copy(), real.copy(), on_error.take_lost(), ids.copy())
         reserve = batch
         yield batch
 
@@ -308,41 +313,63 @@ def augment_batches(
     crop_padding: int,
     hflip: bool,
     on_error: ErrorPolicy | None = None,
-) -> Iterator[dict[str, torch.Tensor | list[str]]]:
+    writer: SlotWriter | None = None,
+) -> Iterator[dict[str, torch.Tensor | np.ndarray | int | list[str]]]:
     """Augment (when rng is given, i.e. training) and wrap each batch as tensors.
 
     Images stay uint8: the trainer normalises them on the device. With
     on_error, "bad_shards" lists the shards whose bad data was first met since
-    the previous batch (host-only, like "filled" and "sample_id").
+    the previous batch (host-only, like "filled" and "sample_id"). With a
+    writer the images stay in their slot (augmented there) and the batch
+    names it instead ("slot": its batch number in the pass), its fields
+    numpy arrays, which travel to the replica inside the message.
     """
-    for batch in batches:
+    for index, batch in enumerate(batches):
         images = batch.images
         if rng is not None:
-            images = random_crop_flip(images, crop_padding, hflip, rng)
+            if writer is not None:
+                images[...] = random_crop_flip(images, crop_padding, hflip, rng)
+            else:
+                images = random_crop_flip(images, crop_padding, hflip, rng)
+        fields = {
+            "label": batch.labels,
+            "real": batch.real.astype(np.float32),
+            "sample_id": batch.sample_ids,
+            "bad_shards": on_error.take_bad_shards() if on_error is not None else [],
+        }
+        if writer is not None:
+            yield {"slot": writer.batch_number(index), "filled": batch.filled, **fields}
+            continue
         yield {
             "image": torch.from_numpy(images),
-            "label": torch.from_numpy(batch.labels),
-            "real": torch.from_numpy(batch.real.astype(np.float32)),
+            "label": torch.from_numpy(fields["label"]),
+            "real": torch.from_numpy(fields["real"]),
             "filled": torch.tensor(batch.filled, dtype=torch.int64),
-            "sample_id": torch.from_numpy(batch.sample_ids),
-            "bad_shards": on_error.take_bad_shards() if on_error is not None else [],
+            "sample_id": torch.from_numpy(fields["sample_id"]),
+            "bad_shards": fields["bad_shards"],
         }
 
 
 def join_batches(parts: list[dict]) -> dict:
     """Consecutive parts of one batch (canonical streams' chunks, workers' pieces) as one batch.
 
-    Tensors are concatenated in order, "filled" summed, "bad_shards" merged;
-    one part is returned as it is.
+    Tensors and arrays are concatenated in order, "filled" summed,
+    "bad_shards" merged; parts written into a slot name the same one. One
+    part is returned as it is.
     """
     if len(parts) == 1:
         return parts[0]
     joined: dict = {}
-    for name in parts[0]:
+    for name, first in parts[0].items():
         if name == "filled":
             joined[name] = sum(part[name] for part in parts)
         elif name == "bad_shards":
             joined[name] = list(dict.fromkeys(url for part in parts for url in part[name]))
+        elif name == "slot":
+            assert all(part[name] == first for part in parts), "parts of different batches"
+            joined[name] = first
+        elif isinstance(first, np.ndarray):
+            joined[name] = np.concatenate([part[name] for part in parts])
         else:
             joined[name] = torch.cat([part[name] for part in parts])
     return joined
@@ -353,7 +380,5 @@ def add_device_draws(
 ) -> Iterator[dict[str, torch.Tensor | list[str]]]:
     """Add the device augmentation's draws (augment.draws.BatchDraws) to each batch, by its sample ids."""
     for batch in batches:
-        sample_ids = batch["sample_id"]
-        assert isinstance(sample_ids, torch.Tensor)
-        batch.update(draws(epoch, sample_ids.numpy()))
+        batch.update(draws(epoch, np.asarray(batch["sample_id"])))
         yield batch

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,14 +21,10 @@ from tpustream.augment.draws import BatchDraws
 from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.assemble import SPARE_SLOTS, BatchSlots, SlotWriter, portable
 from tpustream.data.read.augment import draw_crop_flip
 from tpustream.data.read.crops import CroppingDecoder
-from tpustream.data.read.memory import (
-    SplitMemory,
-    load_split_memory,
-    read_memory_samples,
-    take_memory_samples,
-)
+from tpustream.data.read.memory import SplitMemory
 from tpustream.data.read.plan import (
     CanonicalPartition,
     EpochLayout,
@@ -40,58 +36,20 @@ from tpustream.data.read.plan import (
     stream_spans,
     worker_batches,
 )
+from tpustream.data.read.sources import MemorySamples, StreamedSamples
 from tpustream.data.read.stages import (
     ErrorPolicy,
     add_device_draws,
     augment_batches,
     batch_samples,
-    decode_samples,
     join_batches,
-    read_span_samples,
     shuffle_samples,
     skip_samples,
 )
 from tpustream.data.read.user_stages import apply_user_stages
 
-SampleDecoder = Callable[[dict], tuple[np.ndarray, int]]
 # Keeps the canonical streams' generators apart from the per-reader plan's.
 STREAM_SALT = 0x5354524D  # "STRM"
-
-
-class StreamedSamples:
-    """Samples read from the shards and decoded in the worker, every epoch."""
-
-    def __init__(self, manifest: ShardManifest):
-        self.shard_index = {shard.url: i for i, shard in enumerate(manifest.shards)}
-        self.shard_counts = [shard.samples for shard in manifest.shards]
-
-    def read(self, on_error: ErrorPolicy) -> Callable[[Iterable[SampleSpan]], Iterator]:
-        return functools.partial(
-            read_span_samples, on_error=on_error, shard_index=self.shard_index, shard_counts=self.shard_counts
-        )
-
-    def decode(self, on_error: ErrorPolicy, decoder: SampleDecoder) -> Callable[[Iterable], Iterator]:
-        return functools.partial(decode_samples, decoder=decoder, on_error=on_error)
-
-
-class MemorySamples:
-    """Samples looked up in the split decoded once into shared memory.
-
-    Bad samples were reported when the split was loaded, not again here
-    (but counted, every pass).
-    """
-
-    def __init__(self, manifest: ShardManifest, decoder: ImageDecoder, on_error: OnError):
-        self.shard_index = {shard.url: i for i, shard in enumerate(manifest.shards)}
-        self.memory: SplitMemory = load_split_memory(manifest, decoder, ErrorPolicy(on_error))
-
-    def read(self, on_error: ErrorPolicy) -> Callable[[Iterable[SampleSpan]], Iterator]:
-        return functools.partial(
-            read_memory_samples, memory=self.memory, shard_index=self.shard_index, on_error=on_error
-        )
-
-    def decode(self, on_error: ErrorPolicy, decoder: SampleDecoder) -> Callable[[Iterable], Iterator]:
-        return functools.partial(take_memory_samples, memory=self.memory, on_error=on_error)
 
 
 class ShardStream(IterableDataset):
@@ -193,6 +151,13 @@ class ShardStream(IterableDataset):
             if data.in_memory
             else StreamedSamples(manifest)
         )
+        # The ring of batches DataLoader workers write into (data.read.assemble),
+        # made here so that the workers receive it as shared memory.
+        self.slots: BatchSlots | None = (
+            BatchSlots(data.prefetch_factor + SPARE_SLOTS, batch_size, self.decoder.shape)
+            if self.num_workers > 0
+            else None
+        )
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
@@ -242,7 +207,7 @@ class ShardStream(IterableDataset):
         """Consecutive parts of a batch as one; with the device's draws for its samples if draw."""
         joined = join_batches(parts)
         if draw and self.draws is not None:
-            joined.update(self.draws(self.epoch, joined["sample_id"].numpy()))
+            joined.update(self.draws(self.epoch, np.asarray(joined["sample_id"])))
         return joined
 
     def _pieces_draw(self) -> bool:
@@ -281,19 +246,51 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         worker, skip = self.worker_role(worker, workers)
+        # In a DataLoader worker, images go into the replica's shared slots.
+        generation = self.slots.generation if info is not None and self.slots is not None else None
         if self.partition is not None:
-            return self.pieces(worker, workers, skip)
-        return iter(self.pipeline(worker, workers, skip))
+            items = self.pieces(worker, workers, skip, generation)
+        else:
+            items = iter(
+                self.pipeline(worker, workers, skip, self._reader_writer(worker, workers, generation))
+            )
+        return items if generation is None else map(portable, items)
 
-    def pieces(self, worker: int, workers: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This worker's piece of every batch from batch skip on: its streams' chunks, joined in order."""
+    def _reader_writer(self, role: int, workers: int, generation: int | None) -> SlotWriter | None:
+        """A per-reader worker's place in the pass's batches: epoch batches role, role + workers, ... not skipped."""
+        if generation is None or self.slots is None:
+            return None
+        skip = self._skip.value
+        first = role + max(0, -(-(skip - role) // workers)) * workers - skip
+        return SlotWriter(self.slots, generation, first, workers, 0, self.batch_size)
+
+    def pieces(
+        self, worker: int, workers: int, skip: int, generation: int | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """This worker's piece of every batch from batch skip on: its streams' chunks, joined in order.
+
+        With a generation (in a DataLoader worker), each chunk goes to its place in the batch's slot.
+        """
         assert self.partition is not None
         streams = self.partition.streams_of(self.rank, self.world_size, worker, workers)
-        chunks = [iter(self.stream_pipeline(stream, skip)) for stream in streams]
+        chunk = self.partition.stream_batch(self.layout.global_batch_size)
+        own = self.rank * self.partition.per_replica(self.world_size)  # the replica's first stream
+        writers = [
+            (
+                SlotWriter(self.slots, generation, 0, 1, (stream - own) * chunk, chunk)
+                if generation is not None and self.slots is not None
+                else None
+            )
+            for stream in streams
+        ]
+        chunks = [
+            iter(self.stream_pipeline(stream, skip, writer))
+            for stream, writer in zip(streams, writers, strict=True)
+        ]
         for parts in zip(*chunks, strict=True):  # every stream gives steps - skip chunks
             yield self._joined(list(parts), draw=self.pieces_draw)
 
-    def stream_pipeline(self, stream: int, skip: int) -> wds.DataPipeline:
+    def stream_pipeline(self, stream: int, skip: int, writer: SlotWriter | None = None) -> wds.DataPipeline:
         """One canonical stream's chunks (global_batch / C samples a step) from step skip on.
 
         Its shuffle, its bad-data fills and its pad-crop draws are its own, so
@@ -316,7 +313,7 @@ class ShardStream(IterableDataset):
             ),
             functools.partial(skip_samples, count=skip * chunk, on_error=on_error),
             *self.sample_stages(on_error),
-            *self.batch_stages(on_error, chunk, self.layout.steps - skip, augment_rng),
+            *self.batch_stages(on_error, chunk, self.layout.steps - skip, augment_rng, writer),
         )
 
     def sample_stages(self, on_error: ErrorPolicy) -> list[Callable | None]:
@@ -340,9 +337,17 @@ class ShardStream(IterableDataset):
         ]
 
     def batch_stages(
-        self, on_error: ErrorPolicy, batch_size: int, batches: int, augment_rng: np.random.Generator | None
+        self,
+        on_error: ErrorPolicy,
+        batch_size: int,
+        batches: int,
+        augment_rng: np.random.Generator | None,
+        writer: SlotWriter | None = None,
     ) -> list[Callable]:
-        """Exactly `batches` batches of batch_size, pad-cropped and flipped when augment_rng is given."""
+        """Exactly `batches` batches of batch_size, pad-cropped and flipped when augment_rng is given.
+
+        With a writer their images are written into the shared slots.
+        """
         return [
             functools.partial(
                 batch_samples,
@@ -350,6 +355,7 @@ class ShardStream(IterableDataset):
                 num_batches=batches,
                 shape=self.decoder.shape,
                 on_error=on_error,
+                writer=writer,
             ),
             functools.partial(
                 augment_batches,
@@ -357,10 +363,13 @@ class ShardStream(IterableDataset):
                 crop_padding=self.crop_padding,
                 hflip=self.hflip,
                 on_error=on_error,
+                writer=writer,
             ),
         ]
 
-    def pipeline(self, worker: int, workers: int, skip: int) -> wds.DataPipeline:
+    def pipeline(
+        self, worker: int, workers: int, skip: int, writer: SlotWriter | None = None
+    ) -> wds.DataPipeline:
         """This worker's stages for the current epoch, as one webdataset pipeline."""
         on_error = ErrorPolicy(self.on_error)
         spans = self.worker_spans(worker, workers)
@@ -384,6 +393,6 @@ class ShardStream(IterableDataset):
             ),
             functools.partial(skip_samples, count=skip * self.batch_size, on_error=on_error),
             *self.sample_stages(on_error),
-            *self.batch_stages(on_error, self.batch_size, batches, augment_rng),
+            *self.batch_stages(on_error, self.batch_size, batches, augment_rng, writer),
             functools.partial(add_device_draws, draws=self.draws, epoch=self.epoch) if self.draws else None,
         )

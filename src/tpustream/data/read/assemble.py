@@ -1,0 +1,232 @@
+"""Batches assembled where they are made: DataLoader workers write images into a shared ring of batches.
+
+Measured (bench.pipeline --dataset imagenet --workers, docs/input.md): the
+replica's own process spent 20-45 ms on every 224-px batch of 128-256
+before this, on the thread that also runs the training step: each worker's
+piece of a batch travelled as 5-7 tensors, each moved into a fresh
+shared-memory file by the worker and received through its own
+authenticated socket connection (torch's file_descriptor strategy), and the
+pieces were then concatenated into one more fresh tensor before being
+copied into pinned memory. That serial work, not the workers, capped a
+16-vCPU host near 1,700 images/s.
+
+Now the replica allocates, once, a ring of SLOTS whole batches in shared
+memory (``BatchSlots``) before its workers start; each worker writes its
+samples' pixels straight into its place in slot ``n % slots`` for the pass's
+batch n, and sends only small numpy arrays (labels, ids, masks, draws) that
+travel inside the pickled message. The replica's process copies each whole
+batch once, out of the slot into the tensor it trains on (page-locked when
+the accelerator is a GPU, so that copy is the pin), then releases the slot.
+A worker waits before writing into a slot the replica has not released yet.
+
+Passes: a pass (an epoch, or what a resumed epoch has left) numbers its
+batches from 0. ``begin_pass`` starts a new generation; a worker still busy
+with an abandoned pass stops waiting for releases that will never come (its
+writes are harmless: the replica reads a slot only after every worker's
+piece of that batch has arrived, and each worker finishes its old piece
+before starting the new pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.sharedctypes import RawArray
+
+import numpy as np
+import torch
+
+# Whole batches in the ring: a worker runs at most data.prefetch_factor
+# pieces ahead of what the replica has received, the replica holds one
+# batch being copied, and the background thread one ready batch.
+SPARE_SLOTS = 3
+# How often a worker waiting for a slot looks again.
+SLOT_POLL_SECONDS = 0.0005
+_PASS, _RELEASED = 0, 1
+
+
+class BatchSlots:
+    """A shared ring of uint8 batches (slots, B, C, H, W) and the count of batches the replica released.
+
+    Made in the replica's process before the DataLoader's workers start;
+    they receive it by pickling (the tensor as a shared-memory handle, the
+    counters as shared ctypes memory).
+    """
+
+    def __init__(self, slots: int, batch_size: int, shape: tuple[int, ...]):
+        self.images = torch.empty((slots, batch_size, *shape), dtype=torch.uint8).share_memory_()
+        self._state = RawArray("q", 2)  # [pass generation, batches released in it]
+
+    @property
+    def slots(self) -> int:
+        return self.images.shape[0]
+
+    # ---------------------------------------------------------------- replica
+
+    def begin_pass(self) -> int:
+        """A new pass: nothing of it is released yet; writers of older passes stop waiting."""
+        self._state[_RELEASED] = 0
+        self._state[_PASS] += 1
+        return self._state[_PASS]
+
+    def abandon(self) -> None:
+        """No pass any more (the loader stops): every waiting writer goes on, so workers can exit."""
+        self._state[_PASS] += 1
+
+    def release(self, batch: int) -> None:
+        """Batch `batch` of the current pass was copied out: its slot may be written again."""
+        self._state[_RELEASED] = batch + 1
+
+    def batch(self, batch: int) -> torch.Tensor:
+        return self.images[batch % self.slots]
+
+    # ----------------------------------------------------------------- worker
+
+    @property
+    def generation(self) -> int:
+        return self._state[_PASS]
+
+    def region(self, generation: int, batch: int, start: int, count: int) -> np.ndarray:
+        """Where a worker writes samples [start, start + count) of the pass's batch `batch`.
+
+        Waits until the replica released the batch that used the slot
+        before (batch - slots), unless the pass is no longer current.
+        """
+        needed = batch - self.slots + 1
+        state = self._state
+        while state[_RELEASED] < needed and state[_PASS] == generation:
+            time.sleep(SLOT_POLL_SECONDS)
+        return self.images[batch % self.slots, start : start + count].numpy()
+
+
+@dataclass(frozen=True)
+class SlotWriter:
+    """One stage's place in the batches of a pass: samples [start, start + count) of every step-th batch.
+
+    first: the pass's number of this stage's first batch; step: batches
+    between its consecutive ones (1 under a canonical partition, where
+    every worker gives a piece of every batch; the workers otherwise).
+    """
+
+    slots: BatchSlots
+    generation: int
+    first: int
+    step: int
+    start: int
+    count: int
+
+    def batch_number(self, index: int) -> int:
+        return self.first + index * self.step
+
+    def region(self, index: int) -> np.ndarray:
+        return self.slots.region(self.generation, self.batch_number(index), self.start, self.count)
+
+
+def join_pieces(pieces: list[dict]) -> dict:
+    """One batch's host fields from its pieces, in worker order, as tensors.
+
+    Arrays are concatenated, "filled" summed, "bad_shards" merged; the
+    image is not among them (it is in the slot).
+    """
+    joined: dict = {}
+    for name, first in pieces[0].items():
+        if name == "slot":
+            continue
+        if name == "filled":
+            joined[name] = torch.tensor(sum(int(piece[name]) for piece in pieces), dtype=torch.int64)
+        elif name == "bad_shards":
+            joined[name] = list(dict.fromkeys(url for piece in pieces for url in piece[name]))
+        elif isinstance(first, np.ndarray):
+            joined[name] = torch.from_numpy(
+                first if len(pieces) == 1 else np.concatenate([piece[name] for piece in pieces])
+            )
+        else:
+            joined[name] = first
+    return joined
+
+
+def portable(piece: dict) -> dict:
+    """A worker's piece with its tensors as numpy arrays: pickled inline, no shared-memory file each."""
+    return {
+        name: value.numpy() if isinstance(value, torch.Tensor) else value for name, value in piece.items()
+    }
+
+
+class SlotBatches:
+    """The replica's side: the DataLoader's pieces as whole batches, each copied once out of its slot."""
+
+    def __init__(self, slots: BatchSlots, pieces_per_batch: int, pin_memory: bool):
+        self.slots = slots
+        self.pieces_per_batch = pieces_per_batch
+        self.pin_memory = pin_memory
+
+    def __call__(self, items: Iterator[dict]) -> Iterator[dict]:
+        count = self.pieces_per_batch
+        batch = 0
+        while pieces := [piece for _, piece in zip(range(count), items, strict=False)]:
+            if len(pieces) != count or any(piece["slot"] != batch for piece in pieces):
+                got = [piece["slot"] for piece in pieces]
+                raise RuntimeError(f"batch {batch}: expected {count} pieces of it, got pieces of {got}")
+            joined = join_pieces(pieces)
+            source = self.slots.batch(batch)
+            image = torch.empty(source.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            image.copy_(source)
+            self.slots.release(batch)
+            joined["image"] = image
+            yield joined
+            batch += 1
+
+
+class _Stop:
+    """The queue's end marker, carrying the exception that ended the producer, if any."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
+
+
+def in_background(make: Callable[[], Iterator], depth: int, on_stop: Callable[[], None]) -> Iterator:
+    """make()'s items, produced on a thread up to `depth` ahead of the consumer.
+
+    The replica's receiving and copying then overlaps the training step
+    instead of running between steps (torch's copies release the GIL). An
+    exception in the producer is raised here. Closing this generator early
+    calls on_stop (which must unblock the producer: BatchSlots.abandon
+    lets waiting workers finish their pieces) and waits for the thread.
+    """
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in make():
+                while not stop.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(_Stop())
+        except BaseException as exc:  # handed to the consumer, raised there
+            ready.put(_Stop(exc))
+
+    thread = threading.Thread(target=produce, name="tpustream-batches", daemon=True)
+    thread.start()
+    try:
+        while not isinstance(item := ready.get(), _Stop):
+            yield item
+        if item.error is not None:
+            raise item.error
+    finally:
+        if thread.is_alive():
+            stop.set()
+            on_stop()
+            while thread.is_alive():
+                with contextlib.suppress(queue.Empty):  # a producer blocked on a full queue
+                    ready.get(timeout=0.1)
+            thread.join()
