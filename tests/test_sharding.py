@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpustream.data.format.manifest import ShardInfo
+from tpustream.data.read.partition import choose_partition, describe_balance, worker_balance
 from tpustream.data.read.plan import (
     CanonicalPartition,
     SampleSpan,
-    choose_partition,
     describe_sharing,
     order_shards,
     plan_layout,
@@ -257,3 +257,29 @@ def test_no_partition_where_none_fits_or_when_asked_for_none():
     assert choose_partition(16, 4, 16, 2, 100, 100) == CanonicalPartition(16, 50)
     with pytest.raises(ConfigError, match="3 replica"):
         choose_partition(16, 3, 16, 0, 100, 100)
+
+
+@pytest.mark.parametrize(
+    ("workers", "expected", "balance"),
+    [
+        (8, 16, 1.0),  # 2 each: as before
+        (16, 16, 1.0),
+        (15, 128, 128 / 15 / 9),  # 16 would leave one worker two streams and 14 one: 0.53
+        (14, 64, 64 / 14 / 5),
+        (12, 128, 128 / 12 / 11),
+    ],
+)
+def test_auto_partition_shares_the_streams_evenly_over_workers_that_do_not_divide_the_batch(
+    workers, expected, balance
+):
+    """ResNet-50's batch of 256 on a 16-vCPU host: every batch waits for the worker with the most streams."""
+    partition = choose_partition("auto", 1, 256, workers, 26, 5000)
+    assert partition is not None and partition.streams == expected
+    assert worker_balance(expected, workers) == pytest.approx(balance)
+    assert worker_balance(16, 15) == pytest.approx(16 / 15 / 2)
+    assert describe_balance(partition, 1, workers) is None
+
+
+def test_uneven_shares_are_said_with_the_worker_count_that_shares_evenly():
+    text = describe_balance(CanonicalPartition(16, 100), 1, 15)
+    assert text is not None and "busiest reads 2" in text and "53%" in text and "8 worker(s)" in text

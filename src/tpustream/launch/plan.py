@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 from tpustream.checkpoint import FORCE_RESUME, find_resume, read_metrics
 from tpustream.config import BestOf, Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.plan import CanonicalPartition, choose_partition
+from tpustream.data.read.partition import choose_partition
+from tpustream.data.read.plan import CanonicalPartition
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.errors import ConfigError
 from tpustream.launch.checks import (

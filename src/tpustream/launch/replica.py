@@ -66,7 +66,7 @@ def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
 
 def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tuple[Any, Any]:
     """This replica's (train, validation) ShardStreams, their plan logged by the master."""
-    from tpustream.data.read.plan import describe_partition
+    from tpustream.data.read.partition import describe_balance, describe_partition
     from tpustream.data.read.stream import ShardStream
 
     cfg = plan.cfg
@@ -104,6 +104,9 @@ def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tupl
         )
         if not cfg.eval_only:
             log.info("train order: %s", describe_partition(partition, layout.global_batch_size))
+            uneven = describe_balance(partition, runtime.world_size, cfg.data.num_workers)
+            if uneven:
+                log.warning("%s", uneven)
     return train_stream, val_stream
 
 
@@ -114,17 +117,18 @@ def start_loaders(cfg: TrainConfig, runtime, train_stream, val_stream) -> tuple[
     worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
     # A GPU copies batches from page-locked memory asynchronously: the loader's
     # one copy of each batch, out of the workers' shared slots, goes there.
-    pin = getattr(runtime, "device", None) is not None and runtime.device.type == "cuda"
+    device = getattr(runtime, "device", None)
+    pin = device if device is not None and device.type == "cuda" else None
     train_loader = make_loader(
         train_stream,
         cfg.data.num_workers,
         cfg.data.prefetch_factor,
         worker_init_fn=worker_init,
         record_ids=bool(cfg.debug.sample_log_dir),
-        pin_memory=pin,
+        pin_device=pin,
     )
     val_loader = make_loader(
-        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init, pin_memory=pin
+        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init, pin_device=pin
     )
     # Both loaders' workers start here, on this main thread, immune to stop
     # signals: started later by the training loop's thread (validation's after

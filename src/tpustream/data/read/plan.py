@@ -201,10 +201,6 @@ def split_by_worker(
     return slice_spans(replica_spans, first_batch * batch_size, (first_batch + count) * batch_size)
 
 
-# data.streams=auto: each replica's streams, at most this many per worker reading them at start.
-AUTO_STREAMS_PER_READER = 4
-
-
 @dataclass(frozen=True)
 class CanonicalPartition:
     """An epoch cut into canonical streams: the training order's only dependence on the job's shape.
@@ -272,65 +268,12 @@ class CanonicalPartition:
         return [r for r in range(1, self.streams + 1) if self.streams % r == 0]
 
 
-def choose_partition(
-    setting: str | int,
-    world_size: int,
-    replica_batch: int,
-    workers: int,
-    num_shards: int,
-    shuffle_buffer: int,
-) -> CanonicalPartition | None:
-    """The canonical partition of a run that starts now (data.streams; 0 = the per-reader plan: None).
-
-    auto: each replica's streams are a divisor of its batch, at least one per
-    worker and at most AUTO_STREAMS_PER_READER per worker, as many as that
-    allows while every stream can start on a shard of its own (more streams:
-    more shapes to continue on; more than shards: readers share shards). Each
-    stream's buffer is the reader's data.shuffle_buffer over its streams, so a
-    reader holds what it held without a partition. None when no divisor fits
-    (batch_size 1 per replica with several workers).
-    """
-    workers = max(workers, 1)
-    if setting == 0:
-        return None
-    if setting == "auto":
-        divisors = [d for d in range(1, replica_batch + 1) if replica_batch % d == 0]
-        fitting = [d for d in divisors if workers <= d <= AUTO_STREAMS_PER_READER * workers]
-        if not fitting:
-            return None
-        within = [d for d in fitting if world_size * d <= num_shards]
-        per_replica = max(within) if within else min(fitting)
-        streams = world_size * per_replica
-    else:
-        streams = int(setting)
-    per_reader = max(1, streams // (world_size * workers))
-    partition = CanonicalPartition(streams, -(-shuffle_buffer // per_reader) if shuffle_buffer > 1 else 0)
-    partition.check_shape(world_size, replica_batch, workers)
-    return partition
-
-
 def stream_spans(
     ordered_shards: Sequence[ShardInfo], layout: EpochLayout, partition: CanonicalPartition, stream: int
 ) -> list[SampleSpan]:
     """The contiguous range of the epoch's sample sequence that canonical stream `stream` holds."""
     length = layout.steps * partition.stream_batch(layout.global_batch_size)
     return take_range(ordered_shards, stream * length, (stream + 1) * length)
-
-
-def describe_partition(partition: CanonicalPartition | None, global_batch: int) -> str:
-    """The training order in words, and the shapes a stopped run can continue on."""
-    if partition is None:
-        return (
-            "per replica and worker (data.streams=0, or a run begun without canonical streams): "
-            "stopped mid-epoch, it continues there only on the same replicas, batch and workers"
-        )
-    replicas = partition.allowed_replicas()
-    return (
-        f"{partition.streams} canonical streams of {partition.stream_batch(global_batch)} sample(s) a step "
-        f"(shuffle buffer {partition.stream_buffer} each): stopped mid-epoch, it continues at the same "
-        f"step on {', '.join(map(str, replicas))} replica(s) with a global batch of {global_batch}, "
-        f"each with up to {partition.streams}/replicas workers"
-    )
 
 
 def describe_sharing(
