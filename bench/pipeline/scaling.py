@@ -52,7 +52,7 @@ from tpustream.config import DataConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.crops import SampleRandom, _decode_jpeg, decode_crop, random_resized_plan
 from tpustream.data.read.loader import make_loader
-from tpustream.data.read.plan import choose_partition
+from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stages import ErrorPolicy, read_span_samples
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.options import SplitOptions
@@ -115,8 +115,9 @@ def consumer() -> Callable[[dict], None]:
 def measure_workers(split: ShardManifest, workers: int, min_seconds: float) -> dict[str, Any]:
     """One worker count: rate, and the CPU of the replica's process and of each worker."""
     stream = make_stream(split, workers)
-    pin = torch.cuda.is_available()
-    loader = make_loader(stream, workers, pin_memory=pin)
+    loader = make_loader(
+        stream, workers, pin_device=torch.device("cuda") if torch.cuda.is_available() else None
+    )
     consume = consumer()
     loader.start_workers()
     try:

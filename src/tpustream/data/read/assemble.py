@@ -159,13 +159,20 @@ def portable(piece: dict) -> dict:
 class SlotBatches:
     """The replica's side: the DataLoader's pieces as whole batches, each copied once out of its slot."""
 
-    def __init__(self, slots: BatchSlots, pieces_per_batch: int, pin_memory: bool):
+    def __init__(self, slots: BatchSlots, pieces_per_batch: int, pin_device: torch.device | None = None):
+        """pin_device: the GPU the batches go to; they are then copied into page-locked memory."""
         self.slots = slots
         self.pieces_per_batch = pieces_per_batch
-        self.pin_memory = pin_memory
+        self.pin_device = pin_device
 
     def __call__(self, items: Iterator[dict]) -> Iterator[dict]:
         count = self.pieces_per_batch
+        pin = self.pin_device is not None
+        if pin:
+            # Page-locked memory is allocated in the current device's context:
+            # on this thread it would be GPU 0's, which another replica's GPU
+            # would then hold a context on (DataLoader's pin thread does the same).
+            torch.cuda.set_device(self.pin_device)
         batch = 0
         while pieces := [piece for _, piece in zip(range(count), items, strict=False)]:
             if len(pieces) != count or any(piece["slot"] != batch for piece in pieces):
@@ -173,7 +180,7 @@ class SlotBatches:
                 raise RuntimeError(f"batch {batch}: expected {count} pieces of it, got pieces of {got}")
             joined = join_pieces(pieces)
             source = self.slots.batch(batch)
-            image = torch.empty(source.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            image = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pin)
             image.copy_(source)
             self.slots.release(batch)
             joined["image"] = image

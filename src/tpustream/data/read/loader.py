@@ -63,12 +63,12 @@ class CountingLoader:
     It is the trainer's ``training.source.EpochSource``.
     """
 
-    def __init__(self, loader: DataLoader, record_ids: bool = False, pin_memory: bool = False):
+    def __init__(self, loader: DataLoader, record_ids: bool = False, pin_device: torch.device | None = None):
         self.loader = loader
         self.record_ids = record_ids
-        # Batches' images in page-locked memory (for a GPU): the one copy out
-        # of the workers' shared slots is then also the pin.
-        self.pin_memory = pin_memory
+        # The GPU batches go to: their images are then put in page-locked
+        # memory, by the one copy out of the workers' shared slots.
+        self.pin_device = pin_device
         self._receiving: Iterator[dict] | None = None  # the current pass's receiving thread, if any
         self.filled = 0
         self.batches = 0
@@ -121,7 +121,7 @@ class CountingLoader:
         # One pass at a time drives the DataLoader: an abandoned pass's thread stops first.
         self._stop_receiving()
         slots.begin_pass()
-        assemble = SlotBatches(slots, dataset.pieces_per_batch, self.pin_memory)
+        assemble = SlotBatches(slots, dataset.pieces_per_batch, self.pin_device)
         self._receiving = in_background(lambda: assemble(iter(self.loader)), READY_BATCHES, slots.abandon)
         return self._receiving
 
@@ -245,11 +245,11 @@ def make_loader(
     prefetch_factor: int = 4,
     worker_init_fn: Callable[[int], None] | None = None,
     record_ids: bool = False,
-    pin_memory: bool = False,
+    pin_device: torch.device | None = None,
 ) -> CountingLoader:
     """A DataLoader over a ShardStream (its num_workers must match the stream's plan).
 
-    pin_memory: batches in page-locked memory, for a GPU (with workers).
+    pin_device: the GPU the batches go to (with workers, they are then in page-locked memory).
     """
     if num_workers != stream.num_workers:
         raise ValueError("the stream was planned for a different number of workers")
@@ -268,7 +268,7 @@ def make_loader(
         worker_init_fn=functools.partial(_start_worker, os.getpid(), worker_init_fn) if num_workers else None,
         multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
-    return CountingLoader(loader, record_ids, pin_memory=pin_memory and num_workers > 0)
+    return CountingLoader(loader, record_ids, pin_device=pin_device if num_workers > 0 else None)
 
 
 def _unchanged(item: dict) -> dict:
