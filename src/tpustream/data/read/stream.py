@@ -257,7 +257,7 @@ class ShardStream(IterableDataset):
         return items if generation is None else map(portable, items)
 
     def _reader_writer(self, role: int, workers: int, generation: int | None) -> SlotWriter | None:
-        """A per-reader worker's place in the pass's batches: epoch batches role, role + workers, ... not skipped."""
+        """A per-reader worker's place in the pass's batches: epoch batches role, role + workers, ..."""
         if generation is None or self.slots is None:
             return None
         skip = self._skip.value
