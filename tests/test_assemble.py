@@ -133,3 +133,4 @@ def test_in_background_closed_early_stops_the_producer_through_on_stop():
     assert release.is_set()
     assert len(produced) < 10
     assert not any(t.name == "tpustream-batches" and t.is_alive() for t in threading.enumerate())
+

@@ -172,7 +172,7 @@ class SlotBatches:
             # Page-locked memory is allocated in the current device's context:
             # on this thread it would be GPU 0's, which another replica's GPU
             # would then hold a context on (DataLoader's pin thread does the same).
-            torch.cuda.set_device(self.pin_device)
+            torch.cuda.set_device(self.pin_device.index if self.pin_device.index is not None else 0)
         batch = 0
         while pieces := [piece for _, piece in zip(range(count), items, strict=False)]:
             if len(pieces) != count or any(piece["slot"] != batch for piece in pieces):
@@ -181,7 +181,11 @@ class SlotBatches:
             joined = join_pieces(pieces)
             source = self.slots.batch(batch)
             image = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pin)
-            image.copy_(source)
+            # numpy's copy: one thread, without the GIL. torch's copy_ splits a
+            # batch this size over every intra-op thread, which then spin,
+            # waiting for more work, on the cores the workers decode on
+            # (measured on 16 vCPUs: 35 ms of CPU a 256-image batch).
+            np.copyto(image.numpy(), source.numpy())
             self.slots.release(batch)
             joined["image"] = image
             yield joined
