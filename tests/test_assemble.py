@@ -11,6 +11,7 @@ import torch
 
 from tpustream.data.read.assemble import (
     BatchSlots,
+    HostBatches,
     SlotBatches,
     SlotWriter,
     in_background,
@@ -134,3 +135,20 @@ def test_in_background_closed_early_stops_the_producer_through_on_stop():
     assert len(produced) < 10
     assert not any(t.name == "tpustream-batches" and t.is_alive() for t in threading.enumerate())
 
+
+def test_host_batches_are_reused_only_once_nothing_else_refers_to_them():
+    host = HostBatches(3)
+    shape = torch.Size([4, 2])
+    first = host.take(shape)
+    assert host.take(shape) is not first  # the caller still holds it
+    first_id = id(first)
+    del first
+    again = host.take(shape)
+    assert id(again) == first_id  # released: reused, no new memory
+    view = again[1:]
+    del again
+    assert id(host.take(shape)) != first_id  # a view of it keeps it
+    del view
+    kept = {"image": host.take(shape)}
+    assert host.take(shape) is not kept["image"]  # held in a batch dict
+    assert len(host.buffers) <= 3
