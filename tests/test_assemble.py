@@ -18,6 +18,7 @@ from tpustream.data.read.assemble import (
     join_pieces,
     portable,
 )
+from tpustream.errors import ConfigError
 
 
 def piece(slot: int, labels: list[int], filled: int = 0, bad: tuple[str, ...] = ()) -> dict:
@@ -152,3 +153,16 @@ def test_host_batches_are_reused_only_once_nothing_else_refers_to_them():
     kept = {"image": host.take(shape)}
     assert host.take(shape) is not kept["image"]  # held in a batch dict
     assert len(host.buffers) <= 3
+
+
+def test_a_ring_without_room_in_shared_memory_is_one_line_saying_how_to_make_room(monkeypatch):
+    def full(self):
+        raise RuntimeError(
+            "unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device"
+        )
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", full)
+    with pytest.raises(
+        ConfigError, match=r"7 shared batches of 256 x \[3, 224, 224\] need 257 MiB.*--shm-size"
+    ):
+        BatchSlots(7, 256, (3, 224, 224))

@@ -67,7 +67,8 @@ class DataConfig:
     # DataLoader worker processes per replica (0 = read in the training process), or
     # auto: chosen at start from the pipeline's measured rate (launch.workers; docs/watching.md).
     num_workers: Any = 2
-    # Batches each worker prepares ahead.
+    # Batches each worker prepares ahead; with workers, each loader keeps
+    # prefetch_factor + 3 whole batches in shared memory (/dev/shm) for them to write into.
     prefetch_factor: int = 4
     # Encoded samples each reader (a worker, or a replica without workers) holds
     # for shuffling (the pipeline's memory bound); 0 = shard order only.
@@ -75,8 +76,9 @@ class DataConfig:
     # Canonical streams the training order is cut into, fixed when a run starts
     # and kept by its checkpoints (docs/progress.md: "Resume on any shape"): a stopped run
     # continues on any number of replicas dividing it, with any workers up to
-    # its share per replica. auto = a few per reader; 0 = a per-reader order
-    # that resumes mid-epoch only on the same shape.
+    # its share per replica. auto = a few per reader, more where that evens out
+    # the workers' shares (docs/input.md); 0 = a per-reader order that resumes
+    # mid-epoch only on the same shape.
     streams: Any = "auto"
     last_batch: LastBatch = LastBatch.pad
     on_error: OnError = OnError.skip

@@ -42,6 +42,8 @@ from multiprocessing.sharedctypes import RawArray
 import numpy as np
 import torch
 
+from tpustream.errors import ConfigError
+
 # Whole batches in the ring: a worker runs at most data.prefetch_factor
 # pieces ahead of what the replica has received, the replica holds one
 # batch being copied, and the background thread one ready batch.
@@ -62,7 +64,15 @@ class BatchSlots:
     """
 
     def __init__(self, slots: int, batch_size: int, shape: tuple[int, ...]):
-        self.images = torch.empty((slots, batch_size, *shape), dtype=torch.uint8).share_memory_()
+        images = torch.empty((slots, batch_size, *shape), dtype=torch.uint8)
+        try:
+            self.images = images.share_memory_()
+        except RuntimeError as exc:  # /dev/shm too small (a container's default is 64 MB)
+            raise ConfigError(
+                f"the DataLoader workers' {slots} shared batches of {batch_size} x {list(shape)} need "
+                f"{images.nbytes / 2**20:.0f} MiB of shared memory ({str(exc).splitlines()[0]}): give "
+                "/dev/shm room (docker run --shm-size), or lower data.prefetch_factor or batch_size"
+            ) from None
         self._state = RawArray("q", 2)  # [pass generation, batches released in it]
 
     @property
