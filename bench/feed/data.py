@@ -21,7 +21,6 @@ record is reused.
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import math
@@ -32,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
+from bench.photos import photo_region, source_photos
 from tpustream.data.format.manifest import MANIFEST_NAME, ShardInfo, ShardManifest, summarize_image_sizes
 from tpustream.data.format.tar import write_tar
 from tpustream.data.resolve.options import SplitOptions
@@ -46,7 +45,6 @@ GENERATOR_VERSION = 1
 LONG_SIDE, LONG_SIDE_SIGMA, LONG_SIDE_RANGE = 475, 0.12, (320, 720)
 ASPECT_RANGE = (1.3, 1.45)
 PORTRAIT_SHARE = 0.1
-REGION_SCALE = (0.5, 1.0)
 QUALITY = 95
 
 
@@ -77,15 +75,6 @@ class ShardTask:
     seed: int
 
 
-@functools.cache
-def source_photos() -> tuple[Image.Image, ...]:
-    # The same photos as bench.pipeline.imagenet_data.source_photos; not imported from
-    # there, which would bring the pipeline bench's GCS emulator harness to the GPU host.
-    from sklearn.datasets import load_sample_images
-
-    return tuple(Image.fromarray(pixels) for pixels in load_sample_images().images)
-
-
 def draw_size(rng: np.random.Generator) -> tuple[int, int]:
     """(width, height) around 465x360 (the module docstring)."""
     long = float(np.clip(LONG_SIDE * math.exp(rng.normal(0.0, LONG_SIDE_SIGMA)), *LONG_SIDE_RANGE))
@@ -98,12 +87,7 @@ def make_jpeg(index: int, seed: int) -> tuple[bytes, tuple[int, int]]:
     """Image `index` as JPEG bytes and its (height, width)."""
     rng = np.random.default_rng([seed, index])
     width, height = draw_size(rng)
-    source = source_photos()[index % 2]
-    scale = min(source.width / width, source.height / height) * rng.uniform(*REGION_SCALE)
-    region_w, region_h = width * scale, height * scale
-    left = rng.uniform(0.0, source.width - region_w)
-    top = rng.uniform(0.0, source.height - region_h)
-    image = source.resize((width, height), Image.BICUBIC, box=(left, top, left + region_w, top + region_h))
+    image = photo_region(index, width, height, rng)
     buffer = io.BytesIO()
     image.save(buffer, "JPEG", quality=QUALITY)
     return buffer.getvalue(), (height, width)

@@ -30,7 +30,6 @@ of the GCS emulator (fake-gcs-server on 127.0.0.1).
 
 from __future__ import annotations
 
-import functools
 import io
 import math
 import multiprocessing
@@ -43,6 +42,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
+from bench.photos import photo_region, source_photos
 from bench.pipeline.harness import NUM_CLASSES, check_members, samples_per_shard, upload
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.resolve.split import SplitOptions, load_split
@@ -58,7 +58,6 @@ LONG_SIDE_RANGE = (80, 2500)
 LARGE_SHARE, LARGE_RANGE = 0.015, (700, 2500)
 ASPECT_MAX, WIDE_SHARE, WIDE_ASPECT_MAX = 4 / 3, 0.1, 2.0
 PORTRAIT_SHARE = 0.2
-REGION_SCALE = (0.5, 1.0)
 GRAIN_SIGMA = (12.0, 28.0)
 QUALITY_RANGE = (85, 96)  # inclusive
 ODD_SHARES = {"gray": 0.005, "cmyk": 0.005, "png": 0.002}
@@ -93,13 +92,6 @@ def image_key(index: int) -> str:
     return f"{index:07d}"
 
 
-@functools.cache
-def source_photos() -> tuple[Image.Image, ...]:
-    from sklearn.datasets import load_sample_images
-
-    return tuple(Image.fromarray(pixels) for pixels in load_sample_images().images)
-
-
 def odd_kinds(num_images: int, seed: int) -> list[str]:
     """Each image's kind: mostly "rgb", ODD_SHARES of the others (at least one each), at random places."""
     counts = {kind: max(1, round(share * num_images)) for kind, share in ODD_SHARES.items()}
@@ -128,12 +120,7 @@ def make_photo(index: int, kind: str, seed: int) -> Photo:
     """Image `index`: a region of a sample photo, resized, grained and encoded (the module docstring)."""
     rng = np.random.default_rng([seed, index])
     width, height = draw_size(rng)
-    source = source_photos()[index % 2]
-    scale = min(source.width / width, source.height / height) * rng.uniform(*REGION_SCALE)
-    region_w, region_h = width * scale, height * scale
-    left = rng.uniform(0.0, source.width - region_w)
-    top = rng.uniform(0.0, source.height - region_h)
-    image = source.resize((width, height), Image.BICUBIC, box=(left, top, left + region_w, top + region_h))
+    image = photo_region(index, width, height, rng)
     grain = rng.standard_normal((height, width, 3), dtype=np.float32) * rng.uniform(*GRAIN_SIGMA)
     image = Image.fromarray(np.clip(np.asarray(image, np.float32) + grain, 0, 255).astype(np.uint8))
     quality = int(rng.integers(QUALITY_RANGE[0], QUALITY_RANGE[1] + 1))
