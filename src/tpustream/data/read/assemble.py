@@ -1,14 +1,14 @@
 """Batches assembled where they are made: DataLoader workers write images into a shared ring of batches.
 
-Measured (bench.pipeline --dataset imagenet --workers, docs/input.md): the
-replica's own process spent 20-45 ms on every 224-px batch of 128-256
-before this, on the thread that also runs the training step: each worker's
-piece of a batch travelled as 5-7 tensors, each moved into a fresh
-shared-memory file by the worker and received through its own
-authenticated socket connection (torch's file_descriptor strategy), and the
-pieces were then concatenated into one more fresh tensor before being
-copied into pinned memory. That serial work, not the workers, capped a
-16-vCPU host near 1,700 images/s.
+Measured before this (docs/input.md): on an H100 host with 16 vCPUs the
+replica's own process kept 7.7-8.7 cores busy (0.9-1.2 s of CPU a 256-image
+224-px batch) receiving batches, and the workers decoded on what was left,
+which is why the rate was flat in workers; on 2 cores, 27 ms a 128-image
+batch. Each worker's piece of a batch travelled as 5-7 tensors, each moved
+into a new shared-memory file by the worker and received through its own
+authenticated socket connection (torch's file_descriptor strategy); the
+pieces were then concatenated into one more new tensor and copied into
+pinned memory, on torch's intra-op threads.
 
 Now the replica allocates, once, a ring of SLOTS whole batches in shared
 memory (``BatchSlots``) before its workers start; each worker writes its
@@ -44,9 +44,9 @@ import torch
 
 from tpustream.errors import ConfigError
 
-# Whole batches in the ring: a worker runs at most data.prefetch_factor
-# pieces ahead of what the replica has received, the replica holds one
-# batch being copied, and the background thread one ready batch.
+# Whole batches in the ring beyond data.prefetch_factor: a worker runs at
+# most that many pieces ahead of what the replica has received; the spares
+# cover the batch being copied out and pieces already on their way.
 SPARE_SLOTS = 3
 # Host batches kept for reuse (HostBatches): the ready ones, the consumer's and a few it holds on to.
 HOST_BATCHES = 6
@@ -174,8 +174,9 @@ class HostBatches:
     """Host batches to copy slots into, reused once nothing else holds them (the CPU path's).
 
     A new 38 MB tensor a batch costs the replica the kernel's page faults
-    and zeroing on its first writes: 20-25 ms of CPU a 256-image 224-px
-    batch on 2 cores (bench.pipeline.scaling), 4 ms once reused. A buffer
+    and zeroing on its first writes: its CPU a 256-image 224-px batch was
+    25 ms on 2 cores with new tensors, 7 ms reused (bench.pipeline.scaling,
+    2 workers). A buffer
     is reused only when no tensor but ours refers to its memory (the
     trainer, a device loader's queue or a view of it would), so a consumer
     that keeps batches keeps them intact. Page-locked memory needs none of
