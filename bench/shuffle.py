@@ -16,7 +16,7 @@ Each order is built by the code that makes it in a run:
                  batches, each worker a shuffle buffer of data.shuffle_buffer
                  (tpustream.data.read.plan split_by_replica / split_by_worker,
                  stages.shuffle_samples, ShardStream's generators).
-    canonical    data.streams=auto for that shape (plan.choose_partition): C
+    canonical    data.streams=auto for that shape (partition.choose_partition): C
                  streams, each a contiguous range with a buffer of
                  shuffle_buffer x readers / C, every global step taking the next
                  global_batch / C samples of each (plan.stream_spans).
@@ -50,10 +50,10 @@ from pathlib import Path
 import numpy as np
 
 from tpustream.data.format.manifest import ShardInfo
+from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.plan import (
     CanonicalPartition,
     SampleSpan,
-    choose_partition,
     order_shards,
     plan_layout,
     split_by_replica,
