@@ -316,6 +316,7 @@ def test_canonical_pieces_from_dataloader_workers_join_into_the_in_process_batch
         assert torch.equal(a["sample_id"][6:][a["real"][6:] > 0], torch.from_numpy(ids))
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
 def test_device_draws_are_the_whole_batchs_whichever_workers_send_its_pieces(uneven_split):
     """Mixup pairs and batch-level draws belong to a device's batch (a group of 4 here): pieces
     that split a group get their draws in the replica's process, on the joined batch."""
@@ -334,6 +335,17 @@ def test_device_draws_are_the_whole_batchs_whichever_workers_send_its_pieces(une
     for whole, parts in zip(expected, zip(*pieces, strict=True), strict=True):
         joined = split.join(list(parts))
         assert whole.keys() == joined.keys() and "mix_lam" in joined
+        for key in whole.keys() - {"bad_shards", "filled"}:
+            assert torch.equal(whole[key], joined[key]), key
+    # The same through DataLoader workers, whose pieces meet in the replica's shared slots.
+    loader = make_loader(split, 4)
+    try:
+        received = list(loader.assembled())
+    finally:
+        loader.close()
+    assert len(received) == len(expected)
+    for whole, joined in zip(expected, received, strict=True):
+        assert "mix_lam" in joined
         for key in whole.keys() - {"bad_shards", "filled"}:
             assert torch.equal(whole[key], joined[key]), key
 

@@ -229,10 +229,21 @@ def _can_count_users() -> bool:
 class SlotBatches:
     """The replica's side: the DataLoader's pieces as whole batches, each copied once out of its slot."""
 
-    def __init__(self, slots: BatchSlots, pieces_per_batch: int, pin_device: torch.device | None = None):
-        """pin_device: the GPU the batches go to; they are then copied into page-locked memory."""
+    def __init__(
+        self,
+        slots: BatchSlots,
+        pieces_per_batch: int,
+        pin_device: torch.device | None = None,
+        complete: Callable[[dict], dict] | None = None,
+    ):
+        """pin_device: the GPU the batches go to; they are then copied into page-locked memory.
+
+        complete: what the joined batch still needs (the device's draws, when
+        workers' pieces split an augmentation group: ShardStream.complete).
+        """
         self.slots = slots
         self.pieces_per_batch = pieces_per_batch
+        self.complete = complete
         self.pin_device = pin_device
         self.host = HostBatches(HOST_BATCHES) if pin_device is None and _can_count_users() else None
 
@@ -250,6 +261,8 @@ class SlotBatches:
                 got = [piece["slot"] for piece in pieces]
                 raise RuntimeError(f"batch {batch}: expected {count} pieces of it, got pieces of {got}")
             joined = join_pieces(pieces)
+            if self.complete is not None:
+                joined = self.complete(joined)
             source = self.slots.batch(batch)
             if self.host is not None:
                 image = self.host.take(source.shape)

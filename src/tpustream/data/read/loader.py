@@ -121,7 +121,7 @@ class CountingLoader:
         # One pass at a time drives the DataLoader: an abandoned pass's thread stops first.
         self._stop_receiving()
         slots.begin_pass()
-        assemble = SlotBatches(slots, dataset.pieces_per_batch, self.pin_device)
+        assemble = SlotBatches(slots, dataset.pieces_per_batch, self.pin_device, dataset.complete)
         self._receiving = in_background(lambda: assemble(iter(self.loader)), READY_BATCHES, slots.abandon)
         return self._receiving
 

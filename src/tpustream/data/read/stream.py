@@ -138,8 +138,7 @@ class ShardStream(IterableDataset):
         self.partition = partition if train else None
         if self.partition is not None:
             self.partition.check_shape(world_size, batch_size, self.num_workers)
-        # Fixed for the run: asked for every batch (ShardStream.join, CountingLoader).
-        self.pieces_draw = self._pieces_draw()
+        self.pieces_draw = self._pieces_draw()  # fixed for the run: asked for every batch
         # Loaded here, in the replica's main process, not on first iteration:
         # with DataLoader workers __iter__ only ever runs in the workers, which
         # receive this object by pickling when the loader first iterates. Loaded
@@ -201,14 +200,16 @@ class ShardStream(IterableDataset):
 
     def join(self, pieces: list[dict]) -> dict:
         """One batch from its pieces, in worker order; with the device's draws unless workers added them."""
-        return self._joined(pieces, draw=not self.pieces_draw)
+        return self.complete(join_batches(pieces))
 
-    def _joined(self, parts: list[dict], draw: bool) -> dict:
-        """Consecutive parts of a batch as one; with the device's draws for its samples if draw."""
-        joined = join_batches(parts)
-        if draw and self.draws is not None:
-            joined.update(self.draws(self.epoch, np.asarray(joined["sample_id"])))
-        return joined
+    def complete(self, batch: dict) -> dict:
+        """A batch joined from workers' pieces (here or in data.read.assemble), with the draws they lack."""
+        return batch if self.pieces_draw else self._with_draws(batch)
+
+    def _with_draws(self, batch: dict) -> dict:
+        if self.draws is not None:  # the device augmentation's draws for the batch's samples
+            batch.update(self.draws(self.epoch, np.asarray(batch["sample_id"])))
+        return batch
 
     def _pieces_draw(self) -> bool:
         """Whether each worker's piece holds whole augmentation groups, so it adds the draws itself.
@@ -288,7 +289,8 @@ class ShardStream(IterableDataset):
             for stream, writer in zip(streams, writers, strict=True)
         ]
         for parts in zip(*chunks, strict=True):  # every stream gives steps - skip chunks
-            yield self._joined(list(parts), draw=self.pieces_draw)
+            joined = join_batches(list(parts))
+            yield self._with_draws(joined) if self.pieces_draw else joined
 
     def stream_pipeline(self, stream: int, skip: int, writer: SlotWriter | None = None) -> wds.DataPipeline:
         """One canonical stream's chunks (global_batch / C samples a step) from step skip on.
