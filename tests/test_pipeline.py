@@ -359,6 +359,30 @@ def test_a_canonical_stream_fills_its_own_bad_samples_whoever_reads_it(write_spl
     assert sum(int((b["real"] == 0).sum()) for b in reference) > 0
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_workers_fill_bad_samples_places_with_the_images_the_training_process_would(write_split):
+    """Pad-cropped and flipped batches short of samples: the places are filled from the images
+    before augmentation, whether the batch is made in process or written into the shared slots
+    (batch norm sees the fills, so they must be the same for a resume on another shape)."""
+    shards = [
+        numbered_samples(start, 10, SIZE) + [("bad-png", {"png": b"\x89PNG not really", "cls": b"1"})]
+        for start in (0, 10)
+    ]
+    folder = write_split("train", shards, image_size=SIZE)  # 22 samples: 2 steps of 12, streams of 4
+    options = dict(crop_padding=2, hflip=True, shuffle_buffer=4)
+    expected = global_batches(folder, 1, 3, **options)
+    s = stream(folder, workers=3, batch=GLOBAL_BATCH, partition=CANONICAL, **options)
+    s.set_epoch(2)
+    loader = make_loader(s, 3)
+    try:
+        received = list(loader.assembled())
+    finally:
+        loader.close()
+    assert sum(int((b["real"] == 0).sum()) for b in expected) > 0
+    for a, b in zip(expected, received, strict=True):
+        assert torch.equal(a["real"], b["real"]) and torch.equal(a["image"], b["image"])
+
+
 # In-memory mode: the same batches as streaming, from one shared copy of the split.
 
 

@@ -322,15 +322,17 @@ def augment_batches(
     the previous batch (host-only, like "filled" and "sample_id"). With a
     writer the images stay in their slot (augmented there) and the batch
     names it instead ("slot": its batch number in the pass), its fields
-    numpy arrays, which travel to the replica inside the message.
+    numpy arrays, which travel to the replica inside the message (with rng,
+    this stage writes them there; without, the batching stage did).
     """
     for index, batch in enumerate(batches):
         images = batch.images
         if rng is not None:
+            images = random_crop_flip(images, crop_padding, hflip, rng)
             if writer is not None:
-                images[...] = random_crop_flip(images, crop_padding, hflip, rng)
-            else:
-                images = random_crop_flip(images, crop_padding, hflip, rng)
+                # The batching stage kept the unaugmented images, which fill later
+                # batches' missing places: the augmented copy goes to the slot.
+                writer.region(index)[...] = images
         fields = {
             "label": batch.labels,
             "real": batch.real.astype(np.float32),

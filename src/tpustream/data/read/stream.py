@@ -357,7 +357,7 @@ class ShardStream(IterableDataset):
                 num_batches=batches,
                 shape=self.decoder.shape,
                 on_error=on_error,
-                writer=writer,
+                writer=writer if augment_rng is None else None,  # else augment_batches writes
             ),
             functools.partial(
                 augment_batches,
