@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tpustream.data.read.assemble import (
+    SPARE_SLOTS,
     BatchSlots,
     HostBatches,
     SlotBatches,
@@ -17,6 +18,7 @@ from tpustream.data.read.assemble import (
     in_background,
     join_pieces,
     portable,
+    ring_slots,
 )
 from tpustream.errors import ConfigError
 
@@ -166,3 +168,8 @@ def test_a_ring_without_room_in_shared_memory_is_one_line_saying_how_to_make_roo
         ConfigError, match=r"7 shared batches of 256 x \[3, 224, 224\] need 257 MiB.*--shm-size"
     ):
         BatchSlots(7, 256, (3, 224, 224))
+
+
+def test_the_ring_holds_prefetch_batches_of_pieces_or_two_whole_batches_a_worker():
+    assert ring_slots(4, 15, pieces=True) == 4 + SPARE_SLOTS  # every worker writes every batch
+    assert ring_slots(4, 15, pieces=False) == 30 + SPARE_SLOTS  # each worker makes whole batches

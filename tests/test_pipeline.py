@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import re
 import uuid
@@ -378,6 +379,20 @@ def test_workers_fill_bad_samples_places_with_the_images_the_training_process_wo
         received = list(loader.assembled())
     finally:
         loader.close()
+    assert sum(int((b["real"] == 0).sum()) for b in expected) > 0
+    for a, b in zip(expected, received, strict=True):
+        assert torch.equal(a["real"], b["real"]) and torch.equal(a["image"], b["image"])
+    # The per-reader plan (data.streams=0): each worker's whole batches, round-robin.
+    s = stream(folder, workers=3, batch=4, **options)
+    s.set_epoch(2)
+    per_worker = [list(s.pipeline(w, 3, 0)) for w in range(3)]
+    expected = [b for step in itertools.zip_longest(*per_worker) for b in step if b is not None]
+    loader = make_loader(s, 3)
+    try:
+        received = list(loader.assembled())
+    finally:
+        loader.close()
+    assert s.slots is not None and s.slots.slots >= 2 * 3  # two of each worker's batches
     assert sum(int((b["real"] == 0).sum()) for b in expected) > 0
     for a, b in zip(expected, received, strict=True):
         assert torch.equal(a["real"], b["real"]) and torch.equal(a["image"], b["image"])

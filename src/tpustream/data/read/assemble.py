@@ -55,6 +55,19 @@ SLOT_POLL_SECONDS = 0.0005
 _PASS, _RELEASED = 0, 1
 
 
+def ring_slots(prefetch_factor: int, workers: int, pieces: bool) -> int:
+    """Whole batches a loader's ring holds.
+
+    pieces (a canonical partition): every worker writes a piece of every
+    batch, so prefetch_factor batches ahead, plus the spares. Otherwise each
+    worker makes whole batches, every workers-th one: two of its own in the
+    ring each (one written while the other waits for the replica), so no
+    worker waits on batches the others are still making, and its last one
+    (the fill donor for the next) is never its slot being written.
+    """
+    return prefetch_factor + SPARE_SLOTS if pieces else 2 * max(workers, 1) + SPARE_SLOTS
+
+
 class BatchSlots:
     """A shared ring of uint8 batches (slots, B, C, H, W) and the count of batches the replica released.
 

@@ -21,7 +21,7 @@ from tpustream.augment.draws import BatchDraws
 from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.assemble import SPARE_SLOTS, BatchSlots, SlotWriter, portable
+from tpustream.data.read.assemble import BatchSlots, SlotWriter, portable, ring_slots
 from tpustream.data.read.augment import draw_crop_flip
 from tpustream.data.read.crops import CroppingDecoder
 from tpustream.data.read.memory import SplitMemory
@@ -152,11 +152,8 @@ class ShardStream(IterableDataset):
         )
         # The ring of batches DataLoader workers write into (data.read.assemble),
         # made here so that the workers receive it as shared memory.
-        self.slots: BatchSlots | None = (
-            BatchSlots(data.prefetch_factor + SPARE_SLOTS, batch_size, self.decoder.shape)
-            if self.num_workers > 0
-            else None
-        )
+        ring = ring_slots(data.prefetch_factor, self.num_workers, self.partition is not None)
+        self.slots = BatchSlots(ring, batch_size, self.decoder.shape) if self.num_workers > 0 else None
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
