@@ -67,8 +67,9 @@ class DataConfig:
     # DataLoader worker processes per replica (0 = read in the training process), or
     # auto: chosen at start from the pipeline's measured rate (launch.workers; docs/watching.md).
     num_workers: Any = 2
-    # Batches each worker prepares ahead; with workers, each loader keeps
-    # prefetch_factor + 3 whole batches in shared memory (/dev/shm) for them to write into.
+    # Batches each worker prepares ahead. With workers, a loader keeps whole batches in
+    # shared memory (/dev/shm) for them to write into: prefetch_factor + 3 (training
+    # under canonical streams), 2 a worker + 3 (validation; data.read.assemble.ring_slots).
     prefetch_factor: int = 4
     # Encoded samples each reader (a worker, or a replica without workers) holds
     # for shuffling (the pipeline's memory bound); 0 = shard order only.

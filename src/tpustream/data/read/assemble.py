@@ -84,7 +84,8 @@ class BatchSlots:
             raise ConfigError(
                 f"the DataLoader workers' {slots} shared batches of {batch_size} x {list(shape)} need "
                 f"{images.nbytes / 2**20:.0f} MiB of shared memory ({str(exc).splitlines()[0]}): give "
-                "/dev/shm room (docker run --shm-size), or lower data.prefetch_factor or batch_size"
+                "/dev/shm room (docker run --shm-size), or lower data.prefetch_factor, data.num_workers "
+                "or batch_size"
             ) from None
         self._state = RawArray("q", 2)  # [pass generation, batches released in it]
 
