@@ -154,27 +154,46 @@ class SlotWriter:
         return self.slots.region(self.generation, self.batch_number(index), self.start, self.count)
 
 
-def join_pieces(pieces: list[dict]) -> dict:
-    """One batch's host fields from its pieces, in worker order, as tensors.
+def join_batches(parts: list[dict]) -> dict:
+    """Consecutive parts of one batch (canonical streams' chunks, workers' pieces) as one batch.
 
-    Arrays are concatenated, "filled" summed, "bad_shards" merged; the
-    image is not among them (it is in the slot).
+    Tensors and arrays are concatenated in order, "filled" summed,
+    "bad_shards" merged; parts written into a slot name the same one. One
+    part is returned as it is.
     """
+    if len(parts) == 1:
+        return parts[0]
     joined: dict = {}
-    for name, first in pieces[0].items():
-        if name == "slot":
-            continue
+    for name, first in parts[0].items():
         if name == "filled":
-            joined[name] = torch.tensor(sum(int(piece[name]) for piece in pieces), dtype=torch.int64)
+            joined[name] = sum(part[name] for part in parts)
         elif name == "bad_shards":
-            joined[name] = list(dict.fromkeys(url for piece in pieces for url in piece[name]))
-        elif isinstance(first, np.ndarray):
-            joined[name] = torch.from_numpy(
-                first if len(pieces) == 1 else np.concatenate([piece[name] for piece in pieces])
-            )
-        else:
+            joined[name] = list(dict.fromkeys(url for part in parts for url in part[name]))
+        elif name == "slot":
+            assert all(part[name] == first for part in parts), "parts of different batches"
             joined[name] = first
+        elif isinstance(first, np.ndarray):
+            joined[name] = np.concatenate([part[name] for part in parts])
+        else:
+            joined[name] = torch.cat([part[name] for part in parts])
     return joined
+
+
+def join_pieces(pieces: list[dict]) -> dict:
+    """One batch's host fields from its workers' slot pieces (join_batches), as tensors.
+
+    The image is not among them: it is in the slot the pieces name.
+    """
+    joined = join_batches(pieces)
+    return {
+        name: torch.from_numpy(value)
+        if isinstance(value, np.ndarray)
+        else torch.tensor(int(value), dtype=torch.int64)
+        if name == "filled"
+        else value
+        for name, value in joined.items()
+        if name != "slot"
+    }
 
 
 def portable(piece: dict) -> dict:

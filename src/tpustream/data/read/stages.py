@@ -352,31 +352,6 @@ def augment_batches(
         }
 
 
-def join_batches(parts: list[dict]) -> dict:
-    """Consecutive parts of one batch (canonical streams' chunks, workers' pieces) as one batch.
-
-    Tensors and arrays are concatenated in order, "filled" summed,
-    "bad_shards" merged; parts written into a slot name the same one. One
-    part is returned as it is.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    joined: dict = {}
-    for name, first in parts[0].items():
-        if name == "filled":
-            joined[name] = sum(part[name] for part in parts)
-        elif name == "bad_shards":
-            joined[name] = list(dict.fromkeys(url for part in parts for url in part[name]))
-        elif name == "slot":
-            assert all(part[name] == first for part in parts), "parts of different batches"
-            joined[name] = first
-        elif isinstance(first, np.ndarray):
-            joined[name] = np.concatenate([part[name] for part in parts])
-        else:
-            joined[name] = torch.cat([part[name] for part in parts])
-    return joined
-
-
 def add_device_draws(
     batches: Iterable[dict[str, torch.Tensor | list[str]]], draws: Callable, epoch: int
 ) -> Iterator[dict[str, torch.Tensor | list[str]]]:

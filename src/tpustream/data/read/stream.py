@@ -21,7 +21,7 @@ from tpustream.augment.draws import BatchDraws
 from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.assemble import BatchSlots, SlotWriter, portable, ring_slots
+from tpustream.data.read.assemble import BatchSlots, SlotWriter, join_batches, portable, ring_slots
 from tpustream.data.read.augment import draw_crop_flip
 from tpustream.data.read.crops import CroppingDecoder
 from tpustream.data.read.memory import SplitMemory
@@ -42,7 +42,6 @@ from tpustream.data.read.stages import (
     add_device_draws,
     augment_batches,
     batch_samples,
-    join_batches,
     shuffle_samples,
     skip_samples,
 )
@@ -250,16 +249,20 @@ class ShardStream(IterableDataset):
             items = self.pieces(worker, workers, skip, generation)
         else:
             items = iter(
-                self.pipeline(worker, workers, skip, self._reader_writer(worker, workers, generation))
+                self.pipeline(worker, workers, skip, self._reader_writer(worker, workers, skip, generation))
             )
         return items if generation is None else map(portable, items)
 
-    def _reader_writer(self, role: int, workers: int, generation: int | None) -> SlotWriter | None:
-        """A per-reader worker's place in the pass's batches: epoch batches role, role + workers, ..."""
+    def _reader_writer(
+        self, role: int, workers: int, skipped: int, generation: int | None
+    ) -> SlotWriter | None:
+        """A per-reader worker's place in the pass's batches (after its `skipped` ones: worker_role).
+
+        Its epoch batches are role, role + workers, ...; the pass numbers from epoch batch self._skip.
+        """
         if generation is None or self.slots is None:
             return None
-        skip = self._skip.value
-        first = role + max(0, -(-(skip - role) // workers)) * workers - skip
+        first = role + skipped * workers - self._skip.value
         return SlotWriter(self.slots, generation, first, workers, 0, self.batch_size)
 
     def pieces(
