@@ -38,6 +38,7 @@ from tpustream.data.format.tar import write_tar
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.split import load_split
 from tpustream.data.write.writer import shard_name
+from tpustream.observe.advice import usable_cpus
 
 RECORD_NAME = "feed-data.json"
 # Bumped when the images change for the same settings: an old folder is then rebuilt.
@@ -125,10 +126,6 @@ def plan_shards(spec: DataSpec, root: Path) -> dict[str, list[ShardTask]]:
             for n, start in enumerate(starts)
         ]
     return planned
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def read_record(root: Path) -> dict | None:

@@ -57,6 +57,7 @@ from tpustream.data.read.stages import ErrorPolicy, read_span_samples
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.split import load_split
+from tpustream.observe.advice import usable_cpus
 
 BATCH_SIZE = 256
 IMAGE_SIZE = 224
@@ -244,12 +245,12 @@ def run(args, command: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "command": command,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": usable_cpus(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "batch_size": BATCH_SIZE,
         "stages": stages,
         "rows": rows,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{len(os.sched_getaffinity(0))} usable CPUs; results in {out / 'results.json'}")
+    print(f"{usable_cpus()} usable CPUs; results in {out / 'results.json'}")
     return 0
