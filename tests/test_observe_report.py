@@ -21,7 +21,7 @@ def epoch(number: int, accuracy: float, rate: float, wait: float) -> dict:
         "input_wait_fraction": wait,
         "input_wait_fraction_worst": wait,
         "compilations": 3,
-        "checkpoint_seconds": 0.1,
+        "checkpoint_stall_seconds": 0.1,
         "epoch_seconds": 10.0,
     }
 

@@ -76,14 +76,15 @@ def test_a_starved_loop_reports_its_input_wait_and_a_fed_one_does_not(fake_job, 
         assert record["step_seconds"] >= 0 and record["compile_seconds"] == 0  # eager: no compiles
 
 
-def records(waits, compilations=(3, 3, 3), saving=0.0):
+def records(waits, compilations=(3, 3, 3), saving=0.0, writing=0.0, saving_key="checkpoint_stall_seconds"):
     return [
         {
             "epoch": epoch,
             "input_wait_fraction": wait,
             "input_wait_fraction_worst": min(1.0, wait + 0.05),
             "compilations": compiled,
-            "checkpoint_seconds": saving,
+            saving_key: saving,
+            "checkpoint_write_seconds": writing,
             "epoch_seconds": 10.0,
         }
         for epoch, (wait, compiled) in enumerate(zip(waits, compilations, strict=True))
@@ -115,7 +116,12 @@ def test_advice_names_what_to_change_only_when_it_applies():
     (finding,) = advise(records([0.1, 0.0, 0.0], compilations=(3, 3, 5)))
     assert finding.startswith("compile-bound: 2 graph(s) compiled after epoch 0 (by epoch 2)")
     (finding,) = advise(records([0.1, 0.0, 0.0], saving=2.0))
-    assert finding.startswith("host-bound: saving checkpoints took up to 20% of an epoch")
+    assert finding.startswith("host-bound: training waited for checkpoints up to 20% of an epoch")
+    # Older records name the stall checkpoint_seconds.
+    (finding,) = advise(records([0.1, 0.0, 0.0], saving=2.0, saving_key="checkpoint_seconds"))
+    assert finding.startswith("host-bound: training waited for checkpoints up to 20% of an epoch")
+    # Writing in the background while training goes on is not host-bound: only the stall counts.
+    assert advise(records([0.1, 0.0, 0.0], saving=0.05, writing=8.0)) == []
 
 
 def test_a_starved_run_is_told_to_raise_num_workers(fake_job, tmp_path, caplog):

@@ -38,7 +38,8 @@ METRICS_KEYS = {
     "input_wait_seconds",
     "compile_seconds",
     "step_seconds",
-    "checkpoint_seconds",
+    "checkpoint_stall_seconds",
+    "checkpoint_write_seconds",
     "val_accuracy",
     "val_correct",
     "val_samples",
@@ -110,7 +111,7 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
     assert re.search(
         r"Epoch=1 train: loss=\d\.\d{4} samples=96 \(replica steps 24\) skipped=0 "
         r"GlobalRate=[\d.]+ time=[\d.]+s \(host wait \d+%, worst replica \d+%; "
-        r"compile [\d.]+s, step [\d.]+s, checkpoints [\d.]+s\) "
+        r"compile [\d.]+s, step [\d.]+s, checkpoints [\d.]+s \+ [\d.]+s writing\) "
         r"\| val: accuracy=[\d.]+% \(\d+/18\) top5=100\.00% loss=\d\.\d{4} skipped=0 "
         r"\| best=[\d.]+% \(epoch \d\)",
         text,

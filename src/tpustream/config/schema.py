@@ -197,7 +197,7 @@ class AcceleratorConfig:
 
 @dataclass
 class CheckpointConfig:
-    """When last.pt is written besides every epoch end, and where it goes if output_dir fails."""
+    """When last.pt is written besides every epoch end, how, and where it goes if output_dir fails."""
 
     # Also write last.pt every this many training steps (0 = epoch ends only).
     every_n_steps: int = 0
@@ -207,12 +207,30 @@ class CheckpointConfig:
     # Local folder for a checkpoint that could not be written to output_dir
     # (e.g. GCS unreachable after retries); null = <log_dir>/unsaved.
     fallback_dir: str | None = None
+    # Training waits only for the state's copy into host memory; the master
+    # serialises, writes and verifies it in the background (one save in flight;
+    # a stop and the run's end wait for it). docs/progress.md.
+    asynchronous: bool = True
+    # The largest host copy (bytes) held while training goes on; a larger state
+    # is saved synchronously, with a warning. null = the memory still available
+    # on the host once the copy is made (MemAvailable).
+    asynchronous_max_bytes: int | None = None
+    # Local folder (a local SSD) where last.pt is written first, then uploaded
+    # to output_dir; a restart on the same host continues from the newer copy.
+    local_dir: str | None = None
 
     def check(self) -> None:
         if self.every_n_steps < 0:
             raise ConfigError(
                 f"checkpoint.every_n_steps must be >= 0 (0 = epoch ends only), got {self.every_n_steps}"
             )
+        if self.asynchronous_max_bytes is not None and self.asynchronous_max_bytes < 0:
+            raise ConfigError(
+                f"checkpoint.asynchronous_max_bytes must be >= 0 (null = the memory available), "
+                f"got {self.asynchronous_max_bytes}"
+            )
+        if self.local_dir is not None and "://" in self.local_dir:
+            raise ConfigError(f"checkpoint.local_dir must be a local folder, got {self.local_dir}")
         if self.stop_check_every < 1:
             raise ConfigError(f"checkpoint.stop_check_every must be at least 1, got {self.stop_check_every}")
 

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from tpustream.config import positive_seconds
+from tpustream.config import Device, RuntimeKind, TrainConfig, positive_seconds
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.resolve.counting import CountsNotReady
 from tpustream.data.resolve.split import SplitOptions, load_split
@@ -39,6 +39,17 @@ def host_index() -> int:
         return int(value)
     except ValueError:
         raise ConfigError(f"{name}={value!r}: expected a host number") from None
+
+
+def runs_on_one_host(cfg: TrainConfig) -> bool:
+    """Whether the job's replicas all run on this machine, as far as it can tell before spawning.
+
+    A TPU VM cannot tell a one-host VM from a pod's host before its runtime
+    starts: there the answer is False, the cautious one (checkpoint.local_tier).
+    """
+    if cfg.accelerator.runtime == RuntimeKind.native:
+        return os.environ.get("MASTER_ADDR", "") == "" or _env_int("NNODES", 1, 1) == 1
+    return cfg.accelerator.device == Device.CPU
 
 
 def index_wait_seconds() -> float:

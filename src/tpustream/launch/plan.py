@@ -14,7 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tpustream.checkpoint import FORCE_RESUME, find_resume, read_metrics
+from tpustream.checkpoint import FORCE_RESUME, OVERWRITE_RESUME, find_resume, read_metrics
+from tpustream.checkpoint.local_tier import newer_local
 from tpustream.config import BestOf, Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.partition import choose_partition
@@ -32,7 +33,7 @@ from tpustream.launch.checks import (
     replica_batch_size,
     resolve_config,
 )
-from tpustream.launch.hosts import load_split_on_this_host
+from tpustream.launch.hosts import load_split_on_this_host, runs_on_one_host
 from tpustream.launch.resume_checks import (
     check_fresh_start,
     check_not_finished,
@@ -185,6 +186,9 @@ def continued_from(typed: TrainConfig, plain: dict[str, Any], train: ShardManife
     """
     # A synthetic run never continues one: it starts fresh (check_fresh_start guards the folder).
     resume = None if typed.data.synthetic else find_resume(typed.resume, typed.output_dir)
+    if not typed.data.synthetic and typed.resume not in (None, "", OVERWRITE_RESUME):
+        # checkpoint.local_dir: this host's copy of last.pt, where it is further along.
+        resume = newer_local(resume, typed.checkpoint.local_dir, typed.output_dir, runs_on_one_host(typed))
     resolve_auto_workers(typed, plain, train, known_world_size(typed), resume.state if resume else None)
     if resume is None:
         if not typed.eval_only:

@@ -20,6 +20,7 @@ from tpustream.checkpoint import (
     read_metrics,
     schema_defaults,
 )
+from tpustream.checkpoint.local_tier import delete_local_copies
 from tpustream.config import BestOf, EpochsChange, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
@@ -64,11 +65,14 @@ def check_fresh_start(cfg: TrainConfig) -> None:
     """
     found = checkpoint.existing_run_files(cfg.output_dir)
     if not found:
+        if cfg.resume in (None, "", OVERWRITE_RESUME):
+            forget_local_copies(cfg)
         return
     # Its best.pt followed its own ema.select_best, whatever this run's is.
     held = describe_run(read_metrics(cfg.output_dir), read_select_best(cfg.output_dir) or cfg.ema.select_best)
     if cfg.resume == OVERWRITE_RESUME:
         checkpoint.delete_run_files(cfg.output_dir)
+        forget_local_copies(cfg)
         log.warning(
             "resume=overwrite: deleted the earlier run in %s (%s: %s); starting fresh",
             cfg.output_dir,
@@ -85,6 +89,12 @@ def check_fresh_start(cfg: TrainConfig) -> None:
         f"({', '.join(found)}): choose another output_dir, {to_continue}or "
         f"resume={OVERWRITE_RESUME} to delete it and start fresh"
     )
+
+
+def forget_local_copies(cfg: TrainConfig) -> None:
+    """A fresh start in output_dir: its copies under checkpoint.local_dir are an older run's: deleted."""
+    for url in delete_local_copies(cfg.checkpoint.local_dir, cfg.output_dir):
+        log.warning("a fresh start in %s: deleted the earlier run's local copy %s", cfg.output_dir, url)
 
 
 def check_not_finished(cfg: TrainConfig, resume: ResumePoint) -> str | None:

@@ -130,15 +130,17 @@ def advise(
             f"compile-bound: {later[-1]['compilations'] - first} graph(s) compiled after epoch 0 "
             f"(by epoch {epochs[0]}); a shape or a constant changed: debug.metrics=true names the step"
         )
-    saving = [
-        r["checkpoint_seconds"] / r["epoch_seconds"]
+    # What the loop waited for saves, not the background writing (older records: checkpoint_seconds).
+    stalls = [
+        (r.get("checkpoint_stall_seconds", r.get("checkpoint_seconds")), r.get("epoch_seconds"))
         for r in steady
-        if r.get("checkpoint_seconds") is not None and r.get("epoch_seconds")
     ]
+    saving = [stall / epoch for stall, epoch in stalls if stall is not None and epoch]
     if saving and max(saving) > CHECKPOINT_HEAVY:
         findings.append(
-            f"host-bound: saving checkpoints took up to {100 * max(saving):.0f}% of an epoch; "
-            "raise checkpoint.every_n_steps (or 0), or save to a closer bucket"
+            f"host-bound: training waited for checkpoints up to {100 * max(saving):.0f}% of an epoch; "
+            "raise checkpoint.every_n_steps (or 0), save to a closer bucket, or keep "
+            "checkpoint.asynchronous on"
         )
     return findings
 

@@ -73,7 +73,11 @@ class Breakdown:
     train_seconds: float  # the training loop in this process (a resumed epoch: since the resume)
     input_wait_seconds: float
     compile_seconds: float  # graphs compiled during the loop (process-wide XLA metric)
-    checkpoint_seconds: float  # saving since the previous epoch's record (its end-of-epoch saves included)
+    # Saving since the previous epoch's record (its end-of-epoch saves included): what the
+    # loop waited (host copy, barrier, the previous save), and the serialising and writing,
+    # in the background or not (only the master writes; a background write counts once done).
+    checkpoint_stall_seconds: float
+    checkpoint_write_seconds: float = 0.0
     # The device's gaps between steps, and the part of them that followed a wait for input;
     # None where the runtime cannot see the device (observe.idle).
     device_idle_seconds: float | None = None
@@ -115,7 +119,8 @@ def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float]:
         "input_wait_seconds": mean(r.input_wait_seconds for r in replicas),
         "compile_seconds": mean(r.compile_seconds for r in replicas),
         "step_seconds": mean(r.step_seconds for r in replicas),
-        "checkpoint_seconds": mean(r.checkpoint_seconds for r in replicas),
+        "checkpoint_stall_seconds": mean(r.checkpoint_stall_seconds for r in replicas),
+        "checkpoint_write_seconds": max(r.checkpoint_write_seconds for r in replicas),
     }
     # The device's shares only where every replica measured them: a mean of some would be invented.
     bound = [r.input_bound_fraction for r in replicas]
@@ -137,7 +142,7 @@ class LoopTimer:
         self.compiled_before = compile_seconds()
         self.start = time.time()
 
-    def breakdown(self, checkpoint_seconds: float) -> Breakdown:
+    def breakdown(self, checkpoint_stall_seconds: float, checkpoint_write_seconds: float = 0.0) -> Breakdown:
         train_seconds = time.time() - self.start
         # At the epoch's end (the trainer reads its loss next): CUDA events are read here.
         idle = self.wait.gaps.settle() if self.wait.gaps is not None else None
@@ -145,7 +150,8 @@ class LoopTimer:
             train_seconds=train_seconds,
             input_wait_seconds=self.wait.seconds,
             compile_seconds=self.compile_seconds() - self.compiled_before,
-            checkpoint_seconds=checkpoint_seconds,
+            checkpoint_stall_seconds=checkpoint_stall_seconds,
+            checkpoint_write_seconds=checkpoint_write_seconds,
             device_idle_seconds=None if idle is None else idle[0],
             input_bound_seconds=None if idle is None else idle[1],
         )

@@ -29,8 +29,14 @@ def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
 
 
 def to_host(value: Any) -> Any:
-    """value with every tensor in it copied to the CPU (device tensors are computed first)."""
-    return map_tensors(lambda tensor: tensor.detach().cpu(), value)
+    """value with every tensor in it copied to the CPU (device tensors are computed first), never aliased.
+
+    .cpu() of a CPU tensor is the tensor itself, which training goes on
+    changing (an XLA run's optimizer keeps Adam's step counts on the CPU):
+    a checkpoint written in the background from an alias could hash one value
+    and store another. CPU tensors are cloned; others are copied once.
+    """
+    return map_tensors(lambda t: t.detach().clone() if t.device.type == "cpu" else t.detach().cpu(), value)
 
 
 class ErrorKeepingIterable:

@@ -47,7 +47,8 @@ OPTIONAL_SCALARS = {
     "time/device_idle_fraction": "device_idle_fraction",
     "time/compile_seconds": "compile_seconds",
     "time/step_seconds": "step_seconds",
-    "time/checkpoint_seconds": "checkpoint_seconds",
+    "time/checkpoint_stall_seconds": "checkpoint_stall_seconds",
+    "time/checkpoint_write_seconds": "checkpoint_write_seconds",
 }
 
 
@@ -82,7 +83,10 @@ class EpochRecord:
     device_idle_fraction: float | None = None
     compile_seconds: float | None = None
     step_seconds: float | None = None
-    checkpoint_seconds: float | None = None
+    # Saving: what the training loop waited, and the writing (checkpoint.asynchronous: in the
+    # background, overlapped with training). Lines before 2026-11-27 had checkpoint_seconds (the stall).
+    checkpoint_stall_seconds: float | None = None
+    checkpoint_write_seconds: float | None = None
     val_accuracy: float | None = None
     val_correct: int | None = None
     val_samples: int | None = None
@@ -120,6 +124,8 @@ class EpochRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> EpochRecord:
         """A record from a metrics.jsonl line or a history entry (keys a newer version added are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        if "checkpoint_seconds" in data:  # written before the stall and the writing were apart
+            data = {"checkpoint_stall_seconds": data["checkpoint_seconds"], **data}
         try:
             return cls(**{k: v for k, v in data.items() if k in names})
         except TypeError as exc:  # a required field is missing
@@ -144,7 +150,12 @@ def time_shares(record: EpochRecord) -> str:
     return (
         f"{device}host wait {100 * record.input_wait_fraction:.0f}%, worst replica "
         f"{100 * record.input_wait_fraction_worst:.0f}%; compile {record.compile_seconds:.1f}s, "
-        f"step {record.step_seconds:.1f}s, checkpoints {record.checkpoint_seconds:.1f}s"
+        f"step {record.step_seconds:.1f}s, checkpoints {record.checkpoint_stall_seconds:.1f}s"
+        + (
+            ""
+            if record.checkpoint_write_seconds is None
+            else f" + {record.checkpoint_write_seconds:.1f}s writing"
+        )
     )
 
 

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +20,7 @@ import numpy as np
 import torch
 
 from tpustream import checkpoint
-from tpustream.config import Strategy, TrainConfig
-from tpustream.errors import StorageError
+from tpustream.config import Strategy
 from tpustream.runtime import Runtime
 from tpustream.training.epoch_order import describe_change, describe_shape, same_order
 
@@ -281,40 +277,6 @@ class ProgressAttribute:
 
     def __set__(self, owner_object: Any, value: Any) -> None:
         setattr(owner_object.train_state, self.name, value)
-
-
-class CheckpointWriter:
-    """best.pt and last.pt of a run folder; what storage refused is kept locally and named at the end."""
-
-    def __init__(self, cfg: TrainConfig, runtime: Runtime):
-        self.runtime = runtime
-        self.output_dir = cfg.output_dir
-        self.fallback_dir = cfg.checkpoint.fallback_dir or os.path.join(
-            cfg.log_dir or tempfile.gettempdir(), "unsaved"
-        )
-        self.unsaved: list[str] = []
-        # data.synthetic trained on no data: weights nobody should take for a model, and
-        # nothing to resume (its run restarts in seconds). Every replica skips alike.
-        self.writes = not cfg.data.synthetic
-
-    def save(self, name: str, state: Callable[[], dict[str, Any]], copies: tuple[str, ...] = ()) -> None:
-        """Write checkpoint `name` of state(), and copies of it (every replica calls this; the master writes).
-
-        state is a collective, taken only when something is written.
-        """
-        if not self.writes:
-            return
-        url = checkpoint.checkpoint_url(self.output_dir, name)
-        targets = [checkpoint.checkpoint_url(self.output_dir, copy) for copy in copies]
-        self.unsaved += checkpoint.save_checkpoint(self.runtime, url, state(), self.fallback_dir, targets)
-
-    def raise_if_unsaved(self) -> None:
-        """At the end of a run: training went on past failed writes; the run must not look successful."""
-        if self.unsaved:
-            raise StorageError(
-                f"{len(self.unsaved)} checkpoint(s) could not be written to {self.output_dir}; "
-                f"kept locally: {', '.join(self.unsaved)}"
-            )
 
 
 # Strategies whose checkpoints hold the whole model's optimizer state, parameter by parameter

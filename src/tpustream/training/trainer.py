@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
@@ -34,10 +35,10 @@ from tpustream.training.optim import build_optimizer, prime_optimizer_state
 from tpustream.training.periodic import itstime
 from tpustream.training.replicas import average_floating_buffers, gather_replica_parts, restore_replica_part
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
+from tpustream.training.saving import CheckpointWriter
 from tpustream.training.schedule import LearningRate
 from tpustream.training.source import EpochSource
 from tpustream.training.state import (
-    CheckpointWriter,
     EpochSums,
     ProgressAttribute,
     TrainState,
@@ -122,7 +123,6 @@ class Trainer(StepHooks):
         self.checkpoints = CheckpointWriter(cfg, runtime)
         self.reporter = EpochReporter(cfg, config_dict, runtime, started_at, model_flops)
         self.replica_rates: list[float] = []
-        self.checkpoint_seconds = 0.0  # saving since the last epoch record (its time breakdown's)
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
         # What this process has run at least once (training, evaluation, an
@@ -217,10 +217,9 @@ class Trainer(StepHooks):
         self._ran_once.add(what)
         return first
 
-    def _save(self, name: str, copies: tuple[str, ...] = ()) -> None:
-        start = time.time()
-        self.checkpoints.save(name, self.checkpoint_state, copies)
-        self.checkpoint_seconds += time.time() - start
+    def _save(self, name: str, copies: tuple[str, ...] = (), then: Callable[[], None] = lambda: None) -> None:
+        position = (self.global_step, self.epoch, self.step)
+        self.checkpoints.save(name, self.checkpoint_state, copies, position, then)
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """Train the rest of `epoch` from self.step; raises Preempted after saving if asked to stop."""
@@ -264,7 +263,7 @@ class Trainer(StepHooks):
         self.debug.after_train_epoch(self.model, self.global_step, epoch, start_step, sample_ids)
         seconds = sums.seconds()
         loss_total, count = self.runtime.all_reduce_sum([sums.loss_sum, sums.real_count])
-        breakdown, self.checkpoint_seconds = timer.breakdown(self.checkpoint_seconds), 0.0
+        breakdown = timer.breakdown(*self.checkpoints.take_seconds())
         per_replica = self.runtime.all_gather_host(
             f"train-epoch-{epoch}",
             (tracker.global_rate(), self.train_loader.filled, self.train_loader.bad_shards, breakdown),
@@ -349,9 +348,11 @@ class Trainer(StepHooks):
         )
         self.epoch, self.step = epoch + 1, 0
         self.pending_train_metrics = None
-        # One serialisation for both: best.pt is a copy of last.pt (a hard link, a GCS server-side copy).
-        self._save(checkpoint.LAST, copies=(checkpoint.BEST,) if improved else ())
-        self.reporter.write_history(self.history)
+        # One serialisation for both: best.pt is a copy of last.pt (a hard link, a GCS server-side copy);
+        # metrics.jsonl follows them, so it never names a best epoch best.pt does not hold yet.
+        history = list(self.history)
+        copies = (checkpoint.BEST,) if improved else ()
+        self._save(checkpoint.LAST, copies, then=lambda: self.reporter.write_history(history))
         self.debug.at_epoch_end(epoch, first_end)
 
     def fit(self) -> dict[str, Any]:
@@ -367,8 +368,9 @@ class Trainer(StepHooks):
             log.info("nothing to do: %s", done)
         self.reporter.open(self.global_step)
         try:
-            if not done:
-                self._run_epochs()
+            with self.checkpoints.durable_at_exit():  # a stop (exit 75) or the end: every save written
+                if not done:
+                    self._run_epochs()
         finally:
             self.reporter.close()
         self.runtime.wait_device_ops()

@@ -23,13 +23,23 @@ import logging
 import os
 import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from omegaconf import OmegaConf
 
 from tpustream import storage
+
+# The fingerprint's rules live beside the format and are part of this package's interface.
+from tpustream.checkpoint.fingerprint import (  # noqa: F401  (re-exported)
+    FINGERPRINT_IGNORES,
+    RESUME_MAY_DIFFER,
+    SHAPE_MAY_DIFFER,
+    config_differences,
+    config_fingerprint,
+    schema_defaults,
+)
 from tpustream.errors import ConfigError, StorageError
 from tpustream.runtime import Runtime
 
@@ -41,99 +51,10 @@ LAST = "last.pt"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 CHECKPOINT_VERSION = 2
-# Keys whose change on resume is expected (longer runs, new folders, debugging,
-# how often to evaluate, what to watch). Only epochs changes the training, where
-# the lr schedule is drawn over it: optim.on_epochs_change decides how
-# (training.schedule; launch.resume_checks.check_schedule_horizon refuses until it does).
-FINGERPRINT_IGNORES = (
-    "epochs",
-    "output_dir",
-    "log_dir",
-    "resume",
-    "eval_only",
-    "debug",
-    "early_stop_patience",
-    "eval_every",
-    "xla_cache_dir",
-    "tensorboard",
-)
-
-
-# Keys that may also differ when a run folder is continued with resume=auto:
-# where and on what it runs, how the model is laid out over the cores, and
-# how its input is fed, none of which changes what is trained (another
-# replica count or batch plan restarts the epoch).
-RESUME_MAY_DIFFER = (
-    *FINGERPRINT_IGNORES,
-    "accelerator",
-    "strategy",
-    "fsdp_wrap_min_params",
-    "checkpoint",
-    "log_steps",
-    "data.num_workers",
-    "data.prefetch_factor",
-    "data.streams",  # a resumed run keeps its checkpoint's partition
-    "optim.on_epochs_change",  # acts only when epochs changes; the checkpoint keeps the schedule's phase
-)
-# Under a canonical partition batch_size may change with the shape, the global
-# batch kept (RunPlan.partition checks it).
-SHAPE_MAY_DIFFER = ("batch_size",)
 FORCE_RESUME = "force"
 # resume=overwrite: start fresh in a run folder that holds a run, deleting it
 # first (resume=null refuses to: it would overwrite best.pt and metrics.jsonl).
 OVERWRITE_RESUME = "overwrite"
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(_flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def config_differences(
-    saved: Mapping[str, Any],
-    current: Mapping[str, Any],
-    ignore: tuple[str, ...] = FINGERPRINT_IGNORES,
-    defaults: Mapping[str, Any] | None = None,
-) -> list[str]:
-    """The dotted keys whose values differ, as "key: saved -> current", leaving out `ignore` (and below).
-
-    A key the saved config lacks (one added to tpustream since that run) is
-    no difference when the current value is its default in `defaults`: the
-    run was made under that default.
-    """
-    old, new = _flatten(saved), _flatten(current)
-    known = _flatten(defaults or {})
-    differences = []
-    for key in sorted(set(old) | set(new)):
-        if any(key == name or key.startswith(f"{name}.") for name in ignore):
-            continue
-        if key not in old and key in known and new.get(key) == known[key]:
-            continue
-        before, after = old.get(key, "(unset)"), new.get(key, "(unset)")
-        if before != after:
-            differences.append(f"{key}: {before} -> {after}")
-    return differences
-
-
-def schema_defaults() -> dict[str, Any]:
-    """Every config key's default as plain data (for config_differences), from the typed schema."""
-    import dataclasses
-    import typing
-
-    from tpustream.config import TrainConfig
-
-    defaults = OmegaConf.to_container(OmegaConf.structured(TrainConfig), enum_to_str=True)
-    # The sections are MISSING in TrainConfig (conf/ chooses them): take each one's own defaults.
-    for name, kind in typing.get_type_hints(TrainConfig).items():
-        if dataclasses.is_dataclass(kind):
-            defaults[name] = OmegaConf.to_container(OmegaConf.structured(kind), enum_to_str=True)
-    return defaults
 
 
 class CheckpointError(ConfigError):
@@ -142,12 +63,6 @@ class CheckpointError(ConfigError):
 
 def checkpoint_url(output_dir: str, name: str) -> str:
     return storage.join(output_dir, CHECKPOINTS, name)
-
-
-def config_fingerprint(config: Mapping[str, Any]) -> str:
-    """SHA-256 of the config without the keys a resumed run may legitimately change."""
-    kept = {k: v for k, v in config.items() if k not in FINGERPRINT_IGNORES}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def content_digest(state: Any) -> str:
@@ -237,30 +152,55 @@ def save_checkpoint(
 ) -> list[str]:
     """Write state to url, and to each of copies, from the master replica; every replica must call this.
 
-    Serialised once: each copy is a copy of url's object (a hard link, a GCS
-    server-side copy; storage.copy), made after url is whole, so a new best
-    epoch that is also last.pt costs one write, not two. Every replica waits
-    at a barrier until the writes are done, so none runs ahead or exits
-    before them (under PJRT xm.save no longer synchronises). A write that
-    fails after the storage client's retries is kept in fallback_dir, logged
-    with where, and returned in the list (the paths kept locally); training
-    goes on.
+    Every replica waits at a barrier until the writes are done, so none runs
+    ahead or exits before them (under PJRT xm.save no longer synchronises).
+    The paths where failed writes were kept are returned (write_host_state).
+    checkpoint.background writes the same way without the wait.
     """
     host_state = runtime.state_to_host(state)
-    kept: list[str] = []
-    if host_state is not None:
-        data = encode_checkpoint(host_state)
-        written = _write_or_keep(url, data, fallback_dir, kept)
-        for target in copies:
-            try:
-                if not written:
-                    raise StorageError(f"{url} was not written")
-                storage.copy(url, target)
-                log.info("saved %s (a copy of %s)", target, url)
-            except StorageError as exc:  # the bytes are still here: write them
-                log.warning("could not copy %s to %s (%s); writing it", url, target, exc)
-                _write_or_keep(target, data, fallback_dir, kept)
+    kept = [] if host_state is None else write_host_state(url, host_state, fallback_dir, copies)
     runtime.barrier(f"checkpoint:{url}")
+    return kept
+
+
+def write_host_state(
+    url: str,
+    host_state: dict[str, Any] | Callable[[], dict[str, Any]],
+    fallback_dir: str | None = None,
+    copies: Sequence[str] = (),
+    local_first: str | None = None,
+) -> list[str]:
+    """Serialise, hash, write and verify a host state at url, then its copies; the master's part of a save.
+
+    Serialised once: each copy is a copy of url's object (a hard link, a GCS
+    server-side copy; storage.copy), made after url is whole, so a new best
+    epoch that is also last.pt costs one write, not two. A write that fails
+    after the storage client's retries is kept in fallback_dir, logged with
+    where, and returned in the list (the paths kept locally); training goes on.
+    local_first (checkpoint.local_dir) is written, verified, before url.
+    host_state may be a function that hands the state over once: the caller
+    then holds no reference, and the host copy is freed as soon as it is
+    serialised (a background save holds one copy of the state, not two).
+    """
+    kept: list[str] = []
+    data = encode_checkpoint(host_state() if callable(host_state) else host_state)
+    del host_state
+    if local_first is not None:
+        try:
+            storage.write_bytes_verified(local_first, data)
+            log.info("saved %s (%.1f MB, the local copy)", local_first, len(data) / 1e6)
+        except (StorageError, OSError) as exc:  # the remote copy is the one that matters
+            log.warning("could not write the local copy %s (%s); writing %s", local_first, exc, url)
+    written = _write_or_keep(url, data, fallback_dir, kept)
+    for target in copies:
+        try:
+            if not written:
+                raise StorageError(f"{url} was not written")
+            storage.copy(url, target)
+            log.info("saved %s (a copy of %s)", target, url)
+        except StorageError as exc:  # the bytes are still here: write them
+            log.warning("could not copy %s to %s (%s); writing it", url, target, exc)
+            _write_or_keep(target, data, fallback_dir, kept)
     return kept
 
 
