@@ -26,6 +26,7 @@ import torch.nn as nn
 from tpustream.errors import DataError
 from tpustream.observe.timing import timed
 from tpustream.runtime.native import host_copy
+from tpustream.runtime.staging import HostStaging
 
 T = TypeVar("T")
 
@@ -150,9 +151,11 @@ class FakeRuntime:
     def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
         fn(*args)  # eager: the step's tensors are computed already
 
-    def state_to_host(self, state: Any) -> Any | None:
-        # Cloned: .cpu() of a CPU tensor is the tensor itself, which training goes on changing.
-        return host_copy(state) if self.is_master else None
+    def state_to_host(self, state: Any, staging: HostStaging | None = None) -> Any | None:
+        # Copied: .cpu() of a CPU tensor is the tensor itself, which training goes on changing.
+        if not self.is_master:
+            return None
+        return host_copy(state) if staging is None else staging.copy(state)
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
         every = self._exchange(f"gather_state_to_master:{tag}", host_copy(state))

@@ -4,7 +4,11 @@ Between the storage client and fake-gcs-server it relays requests one by one
 (keep-alive included) and, per request, with configured probabilities answers
 503 without forwarding, or forwards it and cuts the connection halfway through
 the response body (a connection dropped mid-transfer). Mode "down" refuses
-everything, as a vanished endpoint does.
+everything, as a vanished endpoint does. With ``hold`` set, a request whose
+request line contains it (after the first ``hold_skip`` of them) waits, with
+``held`` set, until ``release`` is set: an upload kept in flight for as long
+as a test needs. With ``drop_held``, the request then dies unanswered, as one
+whose client was killed meanwhile would (never reaching the server).
 """
 
 from __future__ import annotations
@@ -101,6 +105,11 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.fault_rate = fault_rate
         self.mode = "faults"  # or "down"
+        self.hold: bytes | None = None
+        self.hold_skip = 0
+        self.drop_held = False
+        self.held = threading.Event()
+        self.release = threading.Event()
         self.stats = FaultStats()
         self._random = random.Random(seed)
         self._random_lock = threading.Lock()
@@ -117,6 +126,11 @@ class FaultProxy:
     def stop(self) -> None:
         self._closed.set()
         self._server.close()
+
+    def _holds(self) -> bool:
+        with self._random_lock:
+            self.hold_skip -= 1
+            return self.hold_skip < 0
 
     def _roll(self) -> float:
         with self._random_lock:
@@ -142,6 +156,10 @@ class FaultProxy:
                 if body is None:
                     return
                 self.stats.count("requests")
+                if self.hold is not None and self.hold in head.split(b"\r\n", 1)[0] and self._holds():
+                    self.held.set()
+                    if not self.release.wait(120) or self.drop_held:
+                        return
                 if self.mode == "down":
                     return  # close without an answer
                 roll = self._roll()

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
+import subprocess
 import threading
 import time
 
 import pytest
 import torch
 
+from tests.conftest import popen_train, train_command
 from tests.fake_runtime import FakeRuntime, FakeWorld, tiny_config
 from tpustream import storage
 from tpustream.checkpoint import LAST, checkpoint_url, load_checkpoint
 from tpustream.checkpoint.local_tier import local_checkpoint_url
-from tpustream.errors import StorageError
+from tpustream.errors import PREEMPTED_EXIT_CODE, StorageError
 from tpustream.training.saving import CheckpointWriter
 
 
@@ -164,3 +168,72 @@ def test_with_local_dir_the_local_copy_is_durable_before_the_upload(tmp_path, he
     release.set()
     writer.wait_durable()
     assert written == [local, checkpoint_url(str(tmp_path / "run"), LAST)]
+
+
+@pytest.mark.slow
+def test_kill_9_or_sigterm_while_a_save_is_uploaded(faulty_gcs, digits_root, tmp_path):
+    """A save in flight to GCS (its upload held by the proxy): kill -9 keeps the previous last.pt whole;
+    SIGTERM lets it finish, writes the stop's last.pt, and exits 75 only after that."""
+    proxy = faulty_gcs
+    run = "gs://faulty/run"
+    command = train_command(
+        f"data.root={digits_root}",
+        f"output_dir={run}",
+        "epochs=2",
+        "log_steps=1",
+        "checkpoint.every_n_steps=4",
+        "data.num_workers=0",
+        "accelerator=cpu_eager",  # the save is this test's subject, not XLA
+        "accelerator.in_process=true",  # the replica is train.py itself: the signals reach it
+        f"hydra.run.dir={tmp_path}/h",
+    )
+
+    def start() -> tuple[subprocess.Popen, list[str]]:
+        process = popen_train(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return process, []
+
+    def read_until(process, lines: list[str], pattern: str) -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if re.search(pattern, line):
+                return
+        pytest.fail(f"train.py ended before {pattern!r}:\n{''.join(lines[-30:])}")
+
+    # The step that makes an uploaded last.pt visible (storage.gcs.write_bytes_verified): step 4's goes
+    # through, step 8's waits, its save in flight.
+    proxy.hold, proxy.hold_skip = b"copyTo/b/faulty/o/run%2Fcheckpoints%2Flast.pt?", 1
+    process, lines = start()
+    try:
+        assert proxy.held.wait(120), "no second save"
+        read_until(process, lines, r"Epoch=0 Step=10 ")  # training went on past the save at step 8
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    proxy.drop_held = True  # the held request dies with its client instead of going on to the server
+    proxy.release.set()
+    assert load_checkpoint(f"{run}/checkpoints/last.pt")["global_step"] == 4  # whole, the previous one
+    # What the killed save had uploaded stays under its temporary name, never as last.pt.
+    assert [name for name in storage.list_names(f"{run}/checkpoints") if ".tmp-" not in name] == ["last.pt"]
+
+    proxy.held.clear()
+    proxy.hold_skip, proxy.release, proxy.drop_held = 0, threading.Event(), False
+    process, lines = start()  # resume=auto: continues from step 4
+    try:
+        assert proxy.held.wait(120), "no save after the resume"  # step 8's upload, in flight
+        os.killpg(process.pid, signal.SIGTERM)
+        time.sleep(3)
+        assert process.poll() is None, "exited with a save in flight"
+        proxy.release.set()
+        assert process.wait(timeout=120) == PREEMPTED_EXIT_CODE
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = "".join(lines) + process.stdout.read()
+    stopped = re.search(r"stopped at epoch 0, step (\d+)", text)
+    assert stopped and "Traceback" not in text, text[-3000:]
+    saved = load_checkpoint(f"{run}/checkpoints/last.pt")
+    assert saved["position"] == {"epoch": 0, "step": int(stopped.group(1))} and saved["global_step"] > 8

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from tpustream.observe.timing import InputWait
 from tpustream.runtime.host import count_tpu_chips, current_replica, host_chip, tpu_accelerator_type
+from tpustream.runtime.staging import HostStaging
 
 
 class Runtime(Protocol):
@@ -85,10 +86,13 @@ class Runtime(Protocol):
     def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
         """Run fn(*args) on the host once the current step's tensors are computed."""
 
-    def state_to_host(self, state: Any) -> Any | None:
+    def state_to_host(self, state: Any, staging: HostStaging | None = None) -> Any | None:
         """state with its tensors on the CPU, on the master only (None elsewhere).
 
         A collective: every replica calls it at the same point of the program.
+        staging: host buffers the copy may go into, the previous copy's (the
+        caller is done with that one); a runtime whose host copies are fresh
+        tensors anyway (XLA's transfers) ignores it.
         """
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:

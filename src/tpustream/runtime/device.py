@@ -12,6 +12,7 @@ import torch
 from tpustream.observe.timing import InputWait
 from tpustream.observe.xla import compilation_count, compile_seconds
 from tpustream.runtime.resident import is_resident, resident_batches
+from tpustream.runtime.staging import HostStaging
 
 # The variable torch_xla's jax workaround sets and pops around every xp.Trace (timed_parallel_loader).
 MEGASCALE_SKIP = "SKIP_MEGASCALE_PJRT_CLIENT"
@@ -192,7 +193,7 @@ class XlaDevice:
 
         xm.add_step_closure(fn, args=args)
 
-    def state_to_host(self, state: Any) -> Any | None:
+    def state_to_host(self, state: Any, staging: HostStaging | None = None) -> Any | None:
         import torch_xla
 
         # What xm.save does, with public calls: every replica cuts the graph

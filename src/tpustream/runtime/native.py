@@ -20,6 +20,7 @@ from tpustream.observe.timing import InputWait, timed
 from tpustream.runtime.device import map_tensors, to_host
 from tpustream.runtime.gloo import HostCollectives, average_flat
 from tpustream.runtime.resident import is_resident, resident_batches
+from tpustream.runtime.staging import HostStaging
 
 # A CUDA generator's state: its seed and Philox offset, 8 bytes each.
 CUDA_RNG_STATE_BYTES = 16
@@ -172,8 +173,10 @@ class NativeRuntime(HostCollectives):
     def add_step_closure(self, fn: Callable[..., Any], args: tuple = ()) -> None:
         fn(*args)  # eager: the step's tensors are computed (or queued, on a GPU) already
 
-    def state_to_host(self, state: Any) -> Any | None:
-        return host_copy(state) if self.is_master else None
+    def state_to_host(self, state: Any, staging: HostStaging | None = None) -> Any | None:
+        if not self.is_master:
+            return None
+        return host_copy(state) if staging is None else staging.copy(state)
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
         return self.gather_host(tag, host_copy(state))

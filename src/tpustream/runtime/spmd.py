@@ -29,6 +29,7 @@ from tpustream.observe.timing import InputWait
 from tpustream.runtime.device import ErrorKeepingIterable, XlaDevice, timed_parallel_loader, to_host
 from tpustream.runtime.gloo import HostCollectives
 from tpustream.runtime.resident import is_resident
+from tpustream.runtime.staging import HostStaging
 
 
 def fsdp_partition_spec(shape: Sequence[int], axis: str) -> tuple[str | None, ...]:
@@ -235,7 +236,7 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         # Sums over a sharded batch are global values already.
         return list(tensors)
 
-    def state_to_host(self, state: Any) -> Any | None:
+    def state_to_host(self, state: Any, staging: HostStaging | None = None) -> Any | None:
         import torch_xla
 
         # Every host cuts the graph at the same point (pending work runs as

@@ -27,6 +27,7 @@ from tpustream.checkpoint.local_tier import local_checkpoint_url
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
+from tpustream.runtime.staging import HostStaging
 
 log = logging.getLogger("tpustream.training")
 
@@ -66,6 +67,7 @@ class CheckpointWriter:
         self.writes = not cfg.data.synthetic
         # Only the master writes; the other replicas take part in the collectives.
         self.background = BackgroundWriter() if cfg.checkpoint.asynchronous and runtime.is_master else None
+        self.staging = HostStaging(pin_memory=getattr(runtime.device, "type", "") == "cuda")
         self.stall_seconds = 0.0
         self.write_seconds = 0.0
         self._last_save: tuple | None = None
@@ -106,13 +108,17 @@ class CheckpointWriter:
         targets = [checkpoint.checkpoint_url(self.output_dir, copy) for copy in copies]
         local = self.local_first if name == checkpoint.LAST else None
         if self.background is not None:
-            # First: the previous save's host copy is freed before this one is made.
+            # First: the previous save is written, and its host buffers free for this copy.
             self.background.wait_until_finished()
-        host_state = self.runtime.state_to_host(state())
+        whole = state()
+        in_background = self._in_background(whole)
+        # Asynchronous: into the staging buffers the previous save used (no fresh memory to fault in).
+        host_state = self.runtime.state_to_host(whole, self.staging if in_background else None)
+        del whole
         if host_state is not None:
-            if self._in_background(host_state):
+            if in_background:
                 holder = [host_state]
-                del host_state  # the writer alone holds the copy, and frees it once serialised
+                del host_state  # the writer alone holds the copy while it is written
 
                 def write() -> list[str]:
                     kept = checkpoint.write_host_state(url, holder.pop, self.fallback_dir, targets, local)
@@ -130,14 +136,22 @@ class CheckpointWriter:
             then()  # not the master: nothing of its own to write
         self.runtime.barrier(f"checkpoint:{url}")
 
-    def _in_background(self, host_state: dict[str, Any]) -> bool:
-        """Whether the master writes this host copy in the background (asynchronous_max_bytes allowing)."""
+    def _in_background(self, state: dict[str, Any]) -> bool:
+        """Whether the master writes this state in the background (asynchronous_max_bytes allowing).
+
+        Auto (no asynchronous_max_bytes): if its host copy fits in the memory
+        still available, counting the staging buffers it would reuse.
+        """
         if self.background is None:
             return False
-        size = tensor_bytes(host_state)
-        limit = self.max_bytes if self.max_bytes is not None else available_host_bytes()
+        size = tensor_bytes(state)
+        limit = self.max_bytes
+        if limit is None:
+            available = available_host_bytes()
+            limit = None if available is None else available + self.staging.nbytes
         if limit is None or size <= limit:
             return True
+        self.staging.release()  # a synchronous save's copy is freed once written
         if not self._said_synchronous:
             self._said_synchronous = True
             what = "the memory available" if self.max_bytes is None else "checkpoint.asynchronous_max_bytes"

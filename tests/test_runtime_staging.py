@@ -1,0 +1,33 @@
+"""runtime.staging: a checkpoint's host copy goes into the previous copy's buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from tpustream.runtime.staging import HostStaging
+
+
+def test_each_copy_reuses_the_previous_ones_buffers_and_holds_the_values_of_its_moment():
+    staging = HostStaging()
+    weights = torch.randn(4, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    state = {"model": {"w": weights, "step": torch.tensor(3)}, "history": [{"loss": 0.5}], "epoch": 2}
+    first = staging.copy(state)
+    assert first["model"]["w"] is not weights and torch.equal(first["model"]["w"], weights)
+    assert first["model"]["w"].is_contiguous(memory_format=torch.channels_last)  # the bytes .cpu() gives
+    assert first["history"] == [{"loss": 0.5}] and first["history"] is not state["history"]
+    address = first["model"]["w"].data_ptr()
+    weights += 1  # training goes on: the copy keeps the values it was taken with
+    assert not torch.equal(first["model"]["w"], weights)
+    second = staging.copy(state)
+    assert second["model"]["w"].data_ptr() == address and torch.equal(second["model"]["w"], weights)
+    assert staging.nbytes == weights.numel() * 4 + 8
+
+
+def test_a_place_whose_tensor_changed_gets_a_new_buffer_and_a_place_gone_frees_its():
+    staging = HostStaging()
+    staging.copy({"a": torch.zeros(3), "b": torch.zeros(10)})
+    copied = staging.copy({"a": torch.ones(4, dtype=torch.float64)})
+    assert torch.equal(copied["a"], torch.ones(4, dtype=torch.float64))
+    assert staging.nbytes == 4 * 8  # "b" is gone, "a" was replaced
+    staging.release()
+    assert staging.nbytes == 0
