@@ -73,7 +73,8 @@ def content_digest(state: Any) -> str:
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu().contiguous()
             digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            # The array itself, not a bytes copy of it: hashlib reads the buffer without the GIL.
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b"")
         elif isinstance(value, Mapping):
             digest.update(b"{")
             for key in sorted(value, key=str):

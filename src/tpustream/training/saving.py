@@ -97,6 +97,8 @@ class CheckpointWriter:
         key = (name, copies, position)
         if position is not None and key == self._last_save:
             log.info("%s at this position is saved already (or being written); not saving it again", name)
+            if self.background is not None:
+                self.background.wait_until_finished()  # then follows the files, as always
             then()
         else:
             self._last_save = key
