@@ -31,3 +31,14 @@ def test_a_place_whose_tensor_changed_gets_a_new_buffer_and_a_place_gone_frees_i
     assert staging.nbytes == 4 * 8  # "b" is gone, "a" was replaced
     staging.release()
     assert staging.nbytes == 0
+
+
+def test_an_xla_runtimes_host_copy_clones_cpu_tensors_only_for_a_copy_that_outlives_the_step():
+    """An XLA run's optimizer keeps step counts on the CPU: a background save must not alias them."""
+    from tpustream.runtime.device import to_host
+
+    step = torch.tensor(7.0)
+    assert to_host({"step": step})["step"].data_ptr() == step.data_ptr()  # synchronous: no second copy
+    copied = to_host({"step": step}, clone_cpu=True)["step"]
+    step += 1
+    assert copied.item() == 7.0

@@ -29,15 +29,21 @@ def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return value
 
 
-def to_host(value: Any) -> Any:
-    """value with every tensor in it copied to the CPU (device tensors are computed first), never aliased.
+def to_host(value: Any, clone_cpu: bool = False) -> Any:
+    """value with every tensor in it copied to the CPU (device tensors are computed first).
 
-    .cpu() of a CPU tensor is the tensor itself, which training goes on
-    changing (an XLA run's optimizer keeps Adam's step counts on the CPU):
-    a checkpoint written in the background from an alias could hash one value
-    and store another. CPU tensors are cloned; others are copied once.
+    .cpu() of a CPU tensor is the tensor itself, which training may go on
+    changing (an XLA run's optimizer keeps Adam's step counts on the CPU). A
+    copy that outlives the step (a checkpoint written in the background)
+    needs clone_cpu: written from an alias, it could hash one value and store
+    another. Without it, host tensors pass as they are (a synchronous save's
+    FSDP state, consolidated on the host already, is not copied twice).
     """
-    return map_tensors(lambda t: t.detach().clone() if t.device.type == "cpu" else t.detach().cpu(), value)
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().clone() if clone_cpu and tensor.device.type == "cpu" else tensor.detach().cpu()
+
+    return map_tensors(copy, value)
 
 
 class ErrorKeepingIterable:
@@ -203,7 +209,9 @@ class XlaDevice:
         torch_xla.sync()
         if not self.is_master:
             return None
-        return to_host(state)
+        # XLA's transfers make fresh host tensors: staging buffers would add a copy. A staged
+        # (background) save still must not alias the CPU tensors training keeps changing.
+        return to_host(state, clone_cpu=staging is not None)
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
         import torch_xla

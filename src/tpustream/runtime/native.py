@@ -43,8 +43,12 @@ def native_device(device_type: str, local_rank: int, deterministic: bool = False
 
 
 def host_copy(value: Any) -> Any:
-    """value with its tensors copied to the CPU, never aliased (runtime.device.to_host: one copy each)."""
-    return to_host(value)
+    """value with its tensors copied to the CPU, never aliased (one copy each: runtime.device.to_host).
+
+    .cpu() of a CPU tensor is the tensor itself, which training goes on
+    changing after a checkpoint's state was taken.
+    """
+    return to_host(value, clone_cpu=True)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

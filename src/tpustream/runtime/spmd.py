@@ -91,8 +91,11 @@ def _local_pieces(state: Any, master: bool) -> list[list[tuple[Any, torch.Tensor
     return pieces
 
 
-def _assemble(state: Any, hosts: list[list[list[tuple[Any, torch.Tensor]]]]) -> Any:
-    """state with each XLA tensor replaced by the whole CPU tensor made of every host's pieces."""
+def _assemble(state: Any, hosts: list[list[list[tuple[Any, torch.Tensor]]]], clone_cpu: bool = False) -> Any:
+    """state with each XLA tensor replaced by the whole CPU tensor made of every host's pieces.
+
+    clone_cpu: its CPU tensors copied too (runtime.device.to_host).
+    """
     tensors = iter(range(len(hosts[0])))
 
     def whole(value: Any) -> Any:
@@ -101,7 +104,7 @@ def _assemble(state: Any, hosts: list[list[list[tuple[Any, torch.Tensor]]]]) -> 
         if isinstance(value, list | tuple):
             return type(value)(whole(v) for v in value)
         if not (isinstance(value, torch.Tensor) and value.device.type == "xla"):
-            return to_host(value)
+            return to_host(value, clone_cpu)
         index = next(tensors)
         result = torch.empty(value.shape, dtype=value.dtype)
         for host in hosts:
@@ -252,7 +255,8 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         pieces = self.gather_host("state-pieces", _local_pieces(state, self.is_master))
         if pieces is None:  # not the master
             return None
-        return _assemble(state, pieces)
+        # A staged (background) save must not alias the CPU tensors training keeps changing.
+        return _assemble(state, pieces, clone_cpu=staging is not None)
 
     def gather_state_to_master(self, tag: str, state: Any) -> list[Any] | None:
         host = self.state_to_host(state)
