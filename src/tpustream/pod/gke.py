@@ -31,7 +31,7 @@ import re
 from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError
 from tpustream.pod.manifest_yaml import to_yaml
 from tpustream.pod.spec import parse_env
-from tpustream.pod.types import SliceType, slice_type
+from tpustream.pod.types import SLICE_TYPES, SliceType, slice_type
 from tpustream.pod.usage import UsageParser, split_command
 
 CONTAINER = "tpustream"
@@ -42,6 +42,10 @@ SPOT_LABEL = "cloud.google.com/gke-spot"
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 # The Job's index (0 .. hosts-1), as Kubernetes sets it on every pod of an Indexed Job.
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def gke_generations() -> list[str]:
+    return list(dict.fromkeys(kind.generation for kind in SLICE_TYPES.values() if kind.gke_accelerator))
 
 
 def pod_failure_policy() -> dict:
@@ -124,7 +128,7 @@ def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str
     """The JobSet for one slice of ``kind`` running ``command`` on every host."""
     if kind.gke_accelerator is None:
         raise ConfigError(
-            f"--type {kind.name}: {kind.generation} slices are not offered on GKE (v4 and later are)"
+            f"--type {kind.name}: GKE offers no {kind.generation} slices, only {', '.join(gke_generations())}"
         )
     if not _NAME.match(args.name):
         raise ConfigError(
