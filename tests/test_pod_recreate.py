@@ -210,3 +210,26 @@ def test_recreate_usage_errors_are_one_line(world, capsys, options, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert world.calls() == []
+
+
+def test_dry_run_with_recreate_prints_what_it_would_run_if_the_pod_were_taken(world, tmp_path, capsys):
+    argv = ["--tpu", "tpu1", "--zone", "z", "--sync", "--restart", "--recreate", "--dry-run", "--", "x"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.splitlines()[-1]
+        == "#   as `describe` shows the pod at the launch (this machine has no record of it)"
+    )
+    save_record(
+        SliceSpec(name="tpu1", zone="z", accelerator_type="v6e-16", runtime_version="r", provisioning="spot")
+    )
+    assert main(argv) == 0
+    tail = capsys.readouterr().out.splitlines()[-4:]
+    assert tail == [
+        "#   gcloud compute tpus queued-resources delete tpu1 --force --quiet --zone=z",
+        "#   gcloud compute tpus tpu-vm delete tpu1 --quiet --zone=z",
+        "#   gcloud compute tpus queued-resources create tpu1 --node-id=tpu1 --accelerator-type=v6e-16 "
+        "--runtime-version=r --metadata-from-file=startup-script=STARTUP_SCRIPT --spot --zone=z",
+        "#   gcloud compute tpus queued-resources describe tpu1 --format=json --zone=z   # until ACTIVE",
+    ]
+    assert world.calls() == []
