@@ -233,3 +233,15 @@ def test_dry_run_with_recreate_prints_what_it_would_run_if_the_pod_were_taken(wo
         "#   gcloud compute tpus queued-resources describe tpu1 --format=json --zone=z   # until ACTIVE",
     ]
     assert world.calls() == []
+
+
+def test_one_command_makes_a_missing_spot_pod_survives_a_preemption_and_finishes(world, tmp_path, capfd):
+    world.set(script={"preempt_runs": [0], "plans": [["WAITING_FOR_RESOURCES", "ACTIVE"], WAITING]})
+    assert launch(world, tmp_path, "--type", "v5litepod-16", "--spot") == 0, capfd.readouterr().err
+    creates = world.calls("queued-resources", "create")
+    assert len(creates) == 2 and all(
+        "--spot" in c and "--accelerator-type=v5litepod-16" in c for c in creates
+    )
+    assert epochs_trained(tmp_path) == [1, 2, 3]
+    assert main(["--tpu", "t", "--zone", "z", "--type", "v4-8", "--", "x"]) == 2
+    assert "--type makes the pod if it is missing: it goes with --recreate" in capfd.readouterr().err

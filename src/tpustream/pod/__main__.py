@@ -48,25 +48,60 @@ lost) once the TPU VM is READY again; train.py resumes from last.pt (resume=auto
 --recreate (with --restart and --sync) recreates a pod that was taken (PREEMPTED,
 TERMINATED, gone): it deletes what is left, asks for the same pod again as a queued
 resource, waits until it is ACTIVE, syncs and reruns the command; at most
---max-restarts requests, --backoff seconds (doubling) after one that failed.
+--max-restarts requests, --backoff seconds (doubling) after one that failed. With
+--type TYPE [--spot|--preemptible|--reserved] it also makes the pod if it does not
+exist yet, so one command takes a spot run from nothing to its end.
 
 other commands (each with --help):
   create NAME --zone Z --type T [--spot|--preemptible|--reserved]   ask for a pod, set up
   delete NAME --zone Z                                               delete a pod
   gke-manifest --type T --image IMAGE -- COMMAND ...                 a GKE JobSet manifest
 
-example:
-  python -m tpustream.pod --tpu tpustream --zone europe-west4-a --sync --restart --recreate -- \\
+example (a spot v5e pod, made if missing, recreated whenever it is taken):
+  python -m tpustream.pod --tpu tpustream --zone europe-west4-a --type v5litepod-16 --spot \\
+      --sync --restart --recreate --max-restarts 20 -- \\
       .venv/bin/python train.py accelerator=tpu data=cifar10 data.root=gs://BUCKET/cifar10 \\
       output_dir=gs://BUCKET/runs/cifar10-r50 model=resnet50
 """
+
+
+def add_recreate_options(parser: argparse.ArgumentParser) -> None:
+    """--recreate and what it needs: backoff, the wait for capacity, how to make a missing pod."""
+    parser.add_argument(
+        "--recreate",
+        action="store_true",
+        help="ask for a pod that was taken again (queued resource) and rerun (needs --restart --sync)",
+    )
+    parser.add_argument(
+        "--backoff",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="--recreate: wait before asking again after a failed request, doubling (default 60)",
+    )
+    parser.add_argument(
+        "--create-timeout",
+        type=float,
+        default=7200.0,
+        metavar="SECONDS",
+        help="--recreate: give up on a request not ACTIVE after this long (default 7200)",
+    )
+    parser.add_argument(
+        "--type",
+        dest="slice_type",
+        metavar="TYPE",
+        help="--recreate: if the pod does not exist yet, make it first, of this type (e.g. v5litepod-16)",
+    )
+    capacity = parser.add_mutually_exclusive_group()
+    for name in ("spot", "preemptible", "reserved"):
+        capacity.add_argument(f"--{name}", action="store_true", help=f"with --type: a {name} pod")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = UsageParser(
         prog="python -m tpustream.pod",
         usage="%(prog)s --tpu NAME --zone ZONE [options] -- COMMAND [ARG ...]\n"
-        "       %(prog)s {create,delete,gke-manifest} ... (see EPILOG below)",
+        "       %(prog)s {create,delete,gke-manifest} ... (see below)",
         description="Run COMMAND on every host of a Cloud TPU VM pod through gcloud, each output line "
         "prefixed with its host ([worker I]).",
         epilog=EPILOG,
@@ -115,25 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="give up waiting for READY after this long (default 3600)",
     )
-    parser.add_argument(
-        "--recreate",
-        action="store_true",
-        help="ask for a pod that was taken again (queued resource) and rerun (needs --restart --sync)",
-    )
-    parser.add_argument(
-        "--backoff",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="--recreate: wait before asking again after a failed request, doubling (default 60)",
-    )
-    parser.add_argument(
-        "--create-timeout",
-        type=float,
-        default=7200.0,
-        metavar="SECONDS",
-        help="--recreate: give up on a request not ACTIVE after this long (default 7200)",
-    )
+    add_recreate_options(parser)
     parser.add_argument(
         "--dry-run", action="store_true", help="print the gcloud commands, one per line, and run nothing"
     )
@@ -164,6 +181,8 @@ def parse_args(argv: list[str]) -> tuple[LaunchSpec, bool]:
         recreate=args.recreate,
         backoff=args.backoff,
         create_timeout=args.create_timeout,
+        slice_type=args.slice_type,
+        provisioning=next((n for n in ("spot", "preemptible", "reserved") if getattr(args, n)), "on-demand"),
     )
     return spec, args.dry_run
 

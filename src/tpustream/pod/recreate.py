@@ -35,10 +35,11 @@ from tpustream.pod.tpu import (
     terminal_error,
     wait_until_ready,
 )
+from tpustream.pod.types import slice_type
 
 
 def learn_slice(spec: LaunchSpec, node: dict | None) -> SliceSpec | None:
-    """How the pod was made: from its describe (recorded for later), else from this machine's record."""
+    """How the pod was made: from its describe (recorded for later), this machine's record, or --type."""
     if node is not None:
         try:
             learned = replace(spec_from_describe(node, spec.tpu, spec.zone, spec.project), gcloud=spec.gcloud)
@@ -47,7 +48,19 @@ def learn_slice(spec: LaunchSpec, node: dict | None) -> SliceSpec | None:
         else:
             save_record(learned)
             return learned
-    return load_record(spec.tpu, spec.zone, spec.project, spec.gcloud)
+    recorded = load_record(spec.tpu, spec.zone, spec.project, spec.gcloud)
+    if recorded is None and spec.slice_type is not None:
+        kind = slice_type(spec.slice_type)
+        return SliceSpec(
+            name=spec.tpu,
+            zone=spec.zone,
+            project=spec.project,
+            accelerator_type=kind.name,
+            runtime_version=kind.runtime_version,
+            provisioning=spec.provisioning,
+            gcloud=spec.gcloud,
+        )
+    return recorded
 
 
 class PodKeeper:
@@ -147,6 +160,7 @@ class PodKeeper:
             begun = self.clock()
             self.recreated = True  # from the start of the request: gcloud may create it and then be stopped
             queued.request(made, self.console)
+            save_record(made)  # a pod made from --type is recorded as `create` records it
             kind = "queued resource" if made.queued else "preemptible TPU VM"
             self.console.say(f"asked for {kind} {made.name} ({self.clock() - begun:.0f}s)")
             queued.wait_until_active(

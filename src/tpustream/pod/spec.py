@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpustream.errors import ConfigError
+from tpustream.pod.types import slice_type
 
 DEFAULT_WORKDIR = "~/tpustream"
 
@@ -36,6 +37,10 @@ class LaunchSpec:
     recreate: bool = False
     backoff: float = 60.0  # seconds before asking again after a request that failed; doubles each time
     create_timeout: float = 7200.0  # seconds a queued resource may wait for capacity
+    # --type and --spot/--preemptible/--reserved: how to make the pod if it does not exist yet
+    # and this machine has no record of it (then the first launch makes it, as `create` would)
+    slice_type: str | None = None
+    provisioning: str = "on-demand"
     gcloud: str = "gcloud"
 
     def __post_init__(self) -> None:
@@ -59,6 +64,10 @@ class LaunchSpec:
             raise ConfigError(
                 "--grace, --poll-interval, --ready-timeout, --backoff and --create-timeout must be >= 0"
             )
+        if self.slice_type is not None:
+            if not self.recreate:
+                raise ConfigError("--type makes the pod if it is missing: it goes with --recreate")
+            slice_type(self.slice_type)  # an unknown type: one line naming the known ones
         if self.recreate and not (self.restart and self.sync):
             # A recreated pod has new disks: without --sync the command would find no checkout there.
             raise ConfigError("--recreate needs --restart and --sync (a recreated pod has empty disks)")
