@@ -189,7 +189,8 @@ while epoch < epochs:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "epochs.log", "a") as log:
             log.write(f"{epoch}\n")
-        last.write_text(str(epoch))
+        (out / "last.tmp").write_text(str(epoch))
+        os.replace(out / "last.tmp", last)  # atomic, as the real last.pt: the other host reads it
     if os.environ.get("STUB_PREEMPT"):
         sys.exit(75)
 """

@@ -105,7 +105,7 @@ def test_failing_provisioning_is_retried_with_backoff_and_the_requests_are_bound
     assert launch(world, tmp_path, "--max-restarts", "2") == 2
     err = capfd.readouterr().err
     assert len(world.calls("queued-resources", "create")) == 2
-    assert "queued resource tpu1 is FAILED: no capacity in the zone; deleting it" in err
+    assert "request 1 failed: queued resource tpu1 is FAILED: no capacity in the zone" in err
     assert "asking again in 0.01s" in err
     assert "the 2 request(s) --max-restarts allows are used up" in err
     assert world.left() == ([], [])  # the failed requests are not left in the queue

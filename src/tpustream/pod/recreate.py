@@ -77,6 +77,7 @@ class PodKeeper:
         self.slice: SliceSpec | None = None
         self.requests = 0  # queued-resource requests this launch made: at most --max-restarts
         self.recreated = False  # a pod this launch made is there: named at the end
+        self.fresh = False  # the last ready() made a new pod: nothing of the old runs is left on it
 
     def first(self) -> TpuInfo | None:
         """Before the first run: the READY pod's hosts (None: --num-workers given, nothing to ask)."""
@@ -104,6 +105,7 @@ class PodKeeper:
 
     def ready(self) -> TpuInfo:
         """Wait until the pod is READY; with ``recreate``, make it again if it is gone."""
+        self.fresh = False
         try:
             return wait_until_ready(self.spec, self.console, self.sleep, self.clock)
         except TpuGone as gone:
@@ -140,13 +142,14 @@ class PodKeeper:
                 self._request(made)
                 info = wait_until_ready(spec, self.console, self.sleep, self.clock)
             except (queued.ProvisioningFailed, TpuGone) as exc:
-                failures += 1
-                self.console.say(f"{exc}; deleting it")
+                failures += 1  # a request that will not be filled was deleted; a node gone is, next
+                self.console.say(f"request {self.requests} failed: {exc}")
                 continue
             self.console.say(
                 f"TPU {spec.tpu} is READY with {info.num_workers} worker(s): recreated in "
                 f"{self.clock() - started:.0f}s (request {self.requests} of at most {spec.max_restarts})"
             )
+            self.fresh = True
             return info
 
     def _request(self, made: SliceSpec) -> None:

@@ -240,5 +240,5 @@ def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
         info = pod.ready()
         if spec.num_workers is None:
             num_workers = info.num_workers
-        if not cleaned and not pod.recreated:
+        if not cleaned and not pod.fresh:
             cleanup(spec, run_id, console)  # the hosts may have been unreachable the first time
