@@ -104,15 +104,20 @@ def create_main(argv: list[str]) -> int:
     console = Console()
     begun = time.monotonic()
     delete = " && ".join(shlex.join(argv) for argv in queued.delete_commands(spec))
-    queued.request(spec, console)
-    console.say(f"recorded how {spec.name} was made in {save_record(spec)} (for --recreate)")
-    took = time.monotonic() - begun
-    console.say(f"asked for {spec.name} ({spec.accelerator_type}, {spec.provisioning}) in {took:.0f}s")
     try:
+        queued.request(spec, console)
+        console.say(f"recorded how {spec.name} was made in {save_record(spec)} (for --recreate)")
+        took = time.monotonic() - begun
+        console.say(f"asked for {spec.name} ({spec.accelerator_type}, {spec.provisioning}) in {took:.0f}s")
         if not args.no_wait:
             queued.wait_until_active(spec, console, args.create_timeout, args.poll_interval)
-    except (KeyboardInterrupt, queued.ProvisioningFailed):
-        # The user asked for this pod: it stays, but they are told how to remove it.
+    except KeyboardInterrupt:
+        # The user asked for this pod: what gcloud made of the request stays, and is named.
+        console.say(f"{spec.name} may exist (a Ctrl-C does not withdraw it); delete it with: {delete}")
+        raise
+    except queued.RequestRefused:
+        raise  # nothing was made
+    except queued.ProvisioningFailed:
         console.say(f"{spec.name} stays as it is; delete it with: {delete}")
         raise
     console.say(next_step(spec))

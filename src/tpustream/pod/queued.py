@@ -175,6 +175,10 @@ class ProvisioningFailed(TpustreamError):
     """The queued resource will not become ACTIVE (FAILED, SUSPENDED, or waited for too long)."""
 
 
+class RequestRefused(ProvisioningFailed):
+    """gcloud did not accept the request (quota, a name in use, a bad flag): nothing was made."""
+
+
 def request(spec: SliceSpec, console: Console) -> None:
     """Ask for the pod; a queued resource returns once the request is accepted, not filled."""
     with startup_script_file() as startup:
@@ -182,7 +186,7 @@ def request(spec: SliceSpec, console: Console) -> None:
         code = run_streamed(argv, console, "[gcloud] ")
     if code != 0:
         kind = "queued resource" if spec.queued else "TPU VM"
-        raise ProvisioningFailed(f"gcloud could not create {kind} {spec.name} (exit code {code}; see above)")
+        raise RequestRefused(f"gcloud could not create {kind} {spec.name} (exit code {code}; see above)")
 
 
 def wait_until_active(
