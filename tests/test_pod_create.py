@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,16 @@ def test_create_and_gke_manifest_run_without_torch():
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert json.dumps("v6e-16")[1:-1] in done.stdout
+
+
+def test_a_ctrl_c_while_create_waits_names_the_request_and_how_to_delete_it(world, capfd):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        waiting = ["WAITING_FOR_RESOURCES"]
+        world.set(script={"plans": [waiting], "sigint": {"queued-resources describe": 2}})
+        assert main(["create", "pod1", "--zone", "z", "--type", "v4-8", "--poll-interval", "0.01"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capfd.readouterr().err
+    assert "pod1 may exist (a Ctrl-C does not withdraw it); delete it with: gcloud compute tpus" in err
+    assert world.left() == ([], ["pod1"])  # the user asked for it: it stays, named
