@@ -1,88 +1,45 @@
 #!/usr/bin/env bash
-# Create a Cloud TPU VM (one host or a pod slice) ready for tpustream.
+# Create a Cloud TPU VM pod ready for tpustream: a thin wrapper around `tpustream-pod create`,
+# kept for its old command line. The pod is asked for as a queued resource (it waits for
+# capacity), every host installs python3-venv at boot, and how it was made is recorded on
+# this machine for `tpustream-pod --recreate` (see docs/pods.md).
 #
-#   scripts/create_tpu_pod.sh NAME ZONE [ACCELERATOR_TYPE] [RUNTIME_VERSION] [--project P] [--preemptible] [--dry-run]
+#   scripts/create_tpu_pod.sh NAME ZONE [ACCELERATOR_TYPE] [RUNTIME_VERSION] [--project P]
+#                             [--spot | --preemptible | --reserved] [--dry-run]
 #
-# Every host gets a start-up script (it runs as root at every boot) that installs
-# python3-venv and python3-pip, which the base image lacks, then writes its exit
-# status to /var/lib/tpustream/startup-done. The code arrives afterwards with
-#   python -m tpustream.pod --tpu NAME --zone ZONE --sync -- ...
-# which creates the workdir (~/tpustream of the ssh user, who does not exist yet
-# at first boot) and waits for that marker on a fresh VM.
+# The launcher needs only the standard library, so any python3 runs it from this checkout.
 set -euo pipefail
 
 usage() {
-  cat >&2 <<'EOF'
-usage: scripts/create_tpu_pod.sh NAME ZONE [ACCELERATOR_TYPE=v3-32] [RUNTIME_VERSION=tpu-ubuntu2204-base]
-                                 [--project P] [--preemptible] [--dry-run]
-  --preemptible  cheaper, may be taken away at any time (cannot be restarted: recreate it)
+  cat >&2 <<'USAGE'
+usage: scripts/create_tpu_pod.sh NAME ZONE [ACCELERATOR_TYPE=v3-32] [RUNTIME_VERSION=the one for the type]
+                                 [--project P] [--spot | --preemptible | --reserved] [--dry-run]
+  --spot         cheaper, may be taken away at any time (tpustream-pod --recreate asks for it again)
+  --preemptible  the older kind of revocable TPU VM (no queued resource)
   --dry-run      print the gcloud command and the start-up script, create nothing
-EOF
+USAGE
   exit "${1:-2}"
 }
 
-project=
-preemptible=
-dry_run=
+options=()
 positional=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --project) [ $# -ge 2 ] || usage; project=$2; shift 2 ;;
-    --project=*) project=${1#*=}; shift ;;
-    --preemptible) preemptible=1; shift ;;
-    --dry-run) dry_run=1; shift ;;
+    --project) [ $# -ge 2 ] || usage; options+=(--project "$2"); shift 2 ;;
+    --project=*) options+=(--project "${1#*=}"); shift ;;
+    --spot|--preemptible|--reserved|--dry-run) options+=("$1"); shift ;;
     -h|--help) usage 0 ;;
     -*) echo "create_tpu_pod.sh: unknown option $1" >&2; usage ;;
     *) positional+=("$1"); shift ;;
   esac
 done
-if [ ${#positional[@]} -lt 2 ] || [ ${#positional[@]} -gt 4 ]; then
+if [ ${#positional[@]} -lt 2 ] || [ ${#positional[@]} -gt 4 ] || [ -z "${positional[0]}" ] || [ -z "${positional[1]}" ]; then
   usage
 fi
-name=${positional[0]}
-zone=${positional[1]}
-accelerator=${positional[2]:-v3-32}
-version=${positional[3]:-tpu-ubuntu2204-base}
-if [ -z "$name" ] || [ -z "$zone" ]; then
-  usage
+if [ ${#positional[@]} -eq 4 ]; then
+  options+=(--runtime-version "${positional[3]}")
 fi
 
-startup=$(mktemp "${TMPDIR:-/tmp}/tpustream-startup.XXXXXX")
-trap 'rm -f "$startup"' EXIT
-cat > "$startup" <<'STARTUP'
-#!/bin/bash
-# tpustream host set-up (scripts/create_tpu_pod.sh): runs as root at every boot of every host.
-set -euo pipefail
-marker_dir=/var/lib/tpustream
-mkdir -p "$marker_dir"
-rm -f "$marker_dir/startup-done"
-# The marker (holding this script's exit status) tells `python -m tpustream.pod --sync` to stop waiting.
-trap 'echo $? > "$marker_dir/startup-done"' EXIT
-# python3 -m venv needs python3-venv (ensurepip), which the base image lacks.
-if ! dpkg -s python3-venv python3-pip >/dev/null 2>&1; then
-  export DEBIAN_FRONTEND=noninteractive
-  # Right after boot unattended-upgrades may hold the dpkg lock: wait for it instead of failing.
-  apt-get -o DPkg::Lock::Timeout=600 update -q
-  apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-pip
-fi
-STARTUP
-
-cmd=(gcloud compute tpus tpu-vm create "$name" --zone="$zone" --accelerator-type="$accelerator"
-     --version="$version" --metadata-from-file=startup-script="$startup")
-if [ -n "$project" ]; then
-  cmd+=(--project="$project")
-fi
-if [ -n "$preemptible" ]; then
-  cmd+=(--preemptible)
-fi
-
-if [ -n "$dry_run" ]; then
-  printf '%q ' "${cmd[@]}"
-  echo
-  echo "# start-up script ($startup, deleted on exit):"
-  sed 's/^/#   /' "$startup"
-  exit 0
-fi
-"${cmd[@]}"
-echo "create_tpu_pod.sh: $name is being set up (python3-venv on every host, a minute or two);" \
-  "next: python -m tpustream.pod --tpu $name --zone $zone${project:+ --project $project} --sync -- .venv/bin/python train.py accelerator=tpu ..." >&2
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -m tpustream.pod create \
+  "${positional[0]}" --zone "${positional[1]}" --type "${positional[2]:-v3-32}" ${options[@]+"${options[@]}"}

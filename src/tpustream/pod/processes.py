@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from tpustream.errors import TpustreamError
+from tpustream.pod.slice_spec import SliceSpec
 from tpustream.pod.spec import LaunchSpec
 
 STOP_TIMEOUT_SECONDS = 5
@@ -49,7 +50,7 @@ class Console:
         return threads
 
 
-def require_gcloud(spec: LaunchSpec) -> None:
+def require_gcloud(spec: LaunchSpec | SliceSpec) -> None:
     if shutil.which(spec.gcloud) is None:
         raise TpustreamError(
             f"{spec.gcloud} not found on PATH: install the Google Cloud CLI "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpustream.errors import ConfigError
+from tpustream.pod.types import slice_type
 
 DEFAULT_WORKDIR = "~/tpustream"
 
@@ -32,6 +33,14 @@ class LaunchSpec:
     grace: float = 30.0  # after a failure, seconds the other hosts get to finish on their own
     poll_interval: float = 30.0  # seconds between describe calls while waiting for READY
     ready_timeout: float = 3600.0
+    # --recreate: a pod that was taken (PREEMPTED, TERMINATED, gone) is deleted and asked for again
+    recreate: bool = False
+    backoff: float = 60.0  # seconds before asking again after a request that failed; doubles each time
+    create_timeout: float = 7200.0  # seconds a queued resource may wait for capacity
+    # --type and --spot/--preemptible/--reserved: how to make the pod if it does not exist yet
+    # and this machine has no record of it (then the first launch makes it, as `create` would)
+    slice_type: str | None = None
+    provisioning: str = "on-demand"
     gcloud: str = "gcloud"
 
     def __post_init__(self) -> None:
@@ -51,8 +60,17 @@ class LaunchSpec:
             )
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
-        if min(self.grace, self.poll_interval, self.ready_timeout) < 0:
-            raise ConfigError("--grace, --poll-interval and --ready-timeout must be >= 0")
+        if min(self.grace, self.poll_interval, self.ready_timeout, self.backoff, self.create_timeout) < 0:
+            raise ConfigError(
+                "--grace, --poll-interval, --ready-timeout, --backoff and --create-timeout must be >= 0"
+            )
+        if self.slice_type is not None:
+            if not self.recreate:
+                raise ConfigError("--type makes the pod if it is missing: it goes with --recreate")
+            slice_type(self.slice_type)  # an unknown type: one line naming the known ones
+        if self.recreate and not (self.restart and self.sync):
+            # A recreated pod has new disks: without --sync the command would find no checkout there.
+            raise ConfigError("--recreate needs --restart and --sync (a recreated pod has empty disks)")
 
 
 def parse_env(items: Iterable[str]) -> tuple[tuple[str, str], ...]:

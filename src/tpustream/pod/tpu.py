@@ -16,16 +16,34 @@ from tpustream.pod.spec import LaunchSpec
 READY = "READY"
 # States a TPU VM does not leave by itself: waiting for READY would be forever.
 TERMINAL_STATES = {
-    "PREEMPTED": "a preemptible or spot TPU VM does not come back: delete it, recreate it "
-    "(scripts/create_tpu_pod.sh) and run this command again with --sync; training resumes from last.pt",
-    "TERMINATED": "delete it, recreate it (scripts/create_tpu_pod.sh) and run this command again with --sync",
+    "PREEMPTED": "a preemptible or spot TPU VM does not come back: run this command again with --recreate "
+    "(it deletes the pod, asks for it again and resumes from last.pt), or recreate it yourself "
+    "(tpustream-pod create) and run it again with --sync",
+    "TERMINATED": "run this command again with --recreate, or delete it, recreate it (tpustream-pod create) "
+    "and run it again with --sync",
     "STOPPED": "start it (gcloud compute tpus tpu-vm start) and run this command again",
     "STOPPING": "start it (gcloud compute tpus tpu-vm start) and run this command again",
     "DELETING": "it is being deleted",
     "HIDING": "it is being hidden",
     "HIDDEN": "it is hidden",
 }
+# Of TERMINAL_STATES, those --recreate recovers from: the pod is gone for good, delete and ask again.
+GONE_STATES = ("PREEMPTED", "TERMINATED", "NOT_FOUND")
 DESCRIBE_TIMEOUT_SECONDS = 120
+
+
+class TpuGone(TpustreamError):
+    """The TPU VM was taken (PREEMPTED, TERMINATED) or no longer exists (NOT_FOUND): only a new one helps."""
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+def terminal_error(spec: LaunchSpec, state: str) -> TpustreamError:
+    """The error for a TPU VM in a state it never leaves by itself: TpuGone where --recreate helps."""
+    message = f"TPU {spec.tpu} is {state}: {TERMINAL_STATES[state]}"
+    return TpuGone(message, state) if state in GONE_STATES else TpustreamError(message)
 
 
 @dataclass(frozen=True)
@@ -34,12 +52,15 @@ class TpuInfo:
     num_workers: int  # hosts, one per network endpoint
 
 
+def info_from_node(node: dict) -> TpuInfo:
+    """The parts of a node's ``describe --format=json`` a launch needs."""
+    endpoints = node.get("networkEndpoints") or []
+    return TpuInfo(state=str(node.get("state", "UNKNOWN")), num_workers=len(endpoints))
+
+
 def parse_describe(text: str, tpu: str) -> TpuInfo:
-    """The parts of ``describe --format=json`` a launch needs."""
     try:
-        node = json.loads(text)
-        endpoints = node.get("networkEndpoints") or []
-        return TpuInfo(state=str(node.get("state", "UNKNOWN")), num_workers=len(endpoints))
+        return info_from_node(json.loads(text))
     except (ValueError, AttributeError) as exc:
         raise TpustreamError(f"gcloud describe {tpu}: unexpected output ({exc}): {text[:200]!r}") from None
 
@@ -77,16 +98,17 @@ def wait_until_ready(
             info = describe(spec)
         except TpustreamError as exc:
             if "NOT_FOUND" in str(exc):
-                raise TpustreamError(
-                    f"TPU {spec.tpu} no longer exists: recreate it (scripts/create_tpu_pod.sh) and run "
-                    "this command again with --sync; training resumes from last.pt"
+                raise TpuGone(
+                    f"TPU {spec.tpu} no longer exists: run this command again with --recreate, or recreate "
+                    "it (tpustream-pod create) and run it again with --sync; training resumes from last.pt",
+                    "NOT_FOUND",
                 ) from None
             state = f"unknown ({exc})"  # a network error on this side: keep trying
         else:
             if info.state == READY and info.num_workers:
                 return info
             if info.state in TERMINAL_STATES:
-                raise TpustreamError(f"TPU {spec.tpu} is {info.state}: {TERMINAL_STATES[info.state]}")
+                raise terminal_error(spec, info.state)
             state = info.state
         if clock() >= deadline:
             raise TpustreamError(f"TPU {spec.tpu} is not READY after {spec.ready_timeout:g}s (state {state})")

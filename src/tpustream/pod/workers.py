@@ -31,9 +31,9 @@ from tpustream.pod.commands import (
     worker_commands,
 )
 from tpustream.pod.processes import STOP_TIMEOUT_SECONDS, Console, require_gcloud, run_streamed, start, stop
+from tpustream.pod.recreate import PodKeeper
 from tpustream.pod.spec import LaunchSpec
 from tpustream.pod.sync import sync
-from tpustream.pod.tpu import READY, TERMINAL_STATES, describe, wait_until_ready
 
 RESTARTABLE = {
     PREEMPTED_EXIT_CODE: "preempted; last.pt was saved",
@@ -186,17 +186,20 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
     """
     require_gcloud(spec)
     console = Console()
+    pod = PodKeeper(spec, console, sleep)
+    try:
+        return _launch(spec, pod, console)
+    finally:
+        pod.farewell()
+
+
+def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
+    info = pod.first()
     num_workers = spec.num_workers
     if num_workers is None:
-        info = describe(spec)
-        if info.state != READY:
-            if info.state in TERMINAL_STATES:
-                raise TpustreamError(f"TPU {spec.tpu} is {info.state}: {TERMINAL_STATES[info.state]}")
-            if not spec.restart:
-                raise TpustreamError(f"TPU {spec.tpu} is {info.state}, not READY (--restart waits for READY)")
-            info = wait_until_ready(spec, console, sleep)
-        if not info.num_workers:
-            raise TpustreamError(f"TPU {spec.tpu} is {info.state} but lists no networkEndpoints (hosts)")
+        if not info or not info.num_workers:
+            state = info.state if info else "UNKNOWN"
+            raise TpustreamError(f"TPU {spec.tpu} is {state} but lists no networkEndpoints (hosts)")
         num_workers = info.num_workers
     # One per launch: a restart's commands rewrite the pid files only after the cleanup has read them.
     run_id = new_run_id()
@@ -234,8 +237,8 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
         console.say(
             f"restart {restarts} of {spec.max_restarts}: {reason}; waiting for TPU {spec.tpu} to be READY"
         )
-        info = wait_until_ready(spec, console, sleep)
+        info = pod.ready()
         if spec.num_workers is None:
             num_workers = info.num_workers
-        if not cleaned:
+        if not cleaned and not pod.fresh:
             cleanup(spec, run_id, console)  # the hosts may have been unreachable the first time

@@ -1,0 +1,130 @@
+"""tpustream-pod gke-manifest: the JobSet's structure, per type, read back by a real YAML parser.
+
+Structural only: no cluster, JobSet controller or TPU ran these manifests (see docs/pods.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.pod.__main__ import main
+from tpustream.pod.manifest_yaml import to_yaml
+from tpustream.pod.types import SLICE_TYPES
+
+COMMAND = ["python", "train.py", "accelerator=tpu", "output_dir=gs://b/runs/r50", "name=a b: c", "x='{1..2}'"]
+
+
+def manifest(capsys, *options: str, command: list[str] = COMMAND) -> dict:
+    assert main(["gke-manifest", *options, "--", *command]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# ")
+    return yaml.safe_load(out)
+
+
+def slice_job(document: dict) -> dict:
+    (job,) = document["spec"]["replicatedJobs"]
+    return job
+
+
+@pytest.mark.parametrize("name", ["v4-32", "v5p-128", "v5litepod-8", "v5litepod-16", "v6e-1", "v6e-256"])
+def test_one_pod_per_host_on_the_type_s_nodes(capsys, name):
+    kind = SLICE_TYPES[name]
+    document = manifest(capsys, "--type", name, "--image", "gcr.io/p/tpustream:1")
+    assert (document["apiVersion"], document["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    job = slice_job(document)
+    assert job["replicas"] == 1  # one slice
+    spec = job["template"]["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == kind.hosts
+    pod = spec["template"]["spec"]
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": kind.gke_accelerator,
+        "cloud.google.com/gke-tpu-topology": kind.topology,
+    }
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["google.com/tpu"] == kind.chips_per_host
+    assert container["image"] == "gcr.io/p/tpustream:1" and container["command"] == COMMAND
+    env = {item["name"]: item for item in container["env"]}
+    assert env["PJRT_DEVICE"]["value"] == "TPU"
+    index = env["TPUSTREAM_HOST_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_exit_75_and_evictions_restart_without_counting_other_failures_do(capsys):
+    document = manifest(capsys, "--type", "v5litepod-16", "--image", "i", "--max-restarts", "5")
+    policy = document["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] == 5
+    assert policy["rules"] == [
+        {
+            "name": "preemptedOrEvicted",
+            "action": "RestartJobSetAndIgnoreMaxRestarts",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+        }
+    ]
+    spec = slice_job(document)["template"]["spec"]
+    assert spec["backoffLimit"] == 0 and spec["template"]["spec"]["restartPolicy"] == "Never"
+    exit_rule, eviction_rule = spec["podFailurePolicy"]["rules"]
+    assert exit_rule == {
+        "action": "FailJob",
+        "onPodConditions": [],
+        "onExitCodes": {"containerName": "tpustream", "operator": "In", "values": [PREEMPTED_EXIT_CODE]},
+    }
+    assert eviction_rule == {
+        "action": "FailJob",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
+    assert document["metadata"]["annotations"] == {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
+    }
+
+
+def test_spot_name_env_and_shared_memory(capsys):
+    options = ["--type", "v6e-16", "--image", "i", "--spot", "--name", "r50-spot", "--env", "A=1 2"]
+    document = manifest(capsys, *options, "--shm-size", "32Gi", "--termination-grace", "60")
+    pod = slice_job(document)["template"]["spec"]["template"]["spec"]
+    assert document["metadata"]["name"] == "r50-spot"
+    assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+    assert {
+        "key": "cloud.google.com/gke-spot",
+        "operator": "Equal",
+        "value": "true",
+        "effect": "NoSchedule",
+    } in (pod["tolerations"])
+    assert {"name": "A", "value": "1 2"} in pod["containers"][0]["env"]
+    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}]
+    assert pod["terminationGracePeriodSeconds"] == 60
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--type", "v3-32", "--image", "i", "--", "x"], "--type v3-32: GKE offers no v3 slices"),
+        (["--type", "v9-8", "--image", "i", "--", "x"], "unknown TPU type 'v9-8'; known: v2-{8,"),
+        (["--type", "v4-8", "--image", "i"], "no command: put it after --"),
+        (["--type", "v4-8", "--image", "i", "--name", "Big_Name", "--", "x"], "--name 'Big_Name'"),
+        (["--type", "v4-8", "--", "x"], "the following arguments are required: --image"),
+        (
+            ["--type", "v4-8", "--image", "i", "--max-restarts", "-1", "--", "x"],
+            "--max-restarts must be >= 0",
+        ),
+    ],
+)
+def test_mistakes_are_one_line_and_exit_2(capsys, argv, message):
+    assert main(["gke-manifest", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["yes", "No", "on", "null", "~", "", "4x4", "0x10", "1e3", "007", "a: b", "- a", "#x", "it's", 'say "hi"',
+     "é", "a\tb\nc", "{x}", "[y]", "*z", "&a", "!t", "%p", "@a", "`b", "?", "x=1", "gs://b/x"],
+)  # fmt: skip
+def test_strings_read_back_as_the_same_strings(value):
+    document = {"k": value, "l": [value, {"m": value}], "n": 3, "t": True, "e": [], "d": {}}
+    assert yaml.safe_load(to_yaml(document)) == document
