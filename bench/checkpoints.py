@@ -4,13 +4,16 @@ Reproduce (from the repository root; no accelerator needed):
 
     .venv/bin/python -m bench.checkpoints                          # wrn_seed and resnet50 on cpu_eager
     .venv/bin/python -m bench.checkpoints --models resnet50 --saves 3
+    .venv/bin/python -m bench.checkpoints --runtime xla --batch-size 2   # the XLA CPU device
 
 For each model it builds the full-size model (wrn_seed: conf/model/wrn_seed.yaml,
 100 classes, 32x32 input; resnet50: torchvision's, 1000 classes, 224x224) and
 an SGD optimizer with Nesterov momentum (one buffer per parameter: the state a
 checkpoint holds is the weights and the buffers), trains one step so the
 buffers exist, and then measures, on the replica runtime of cpu_eager
-(runtime.native.NativeRuntime on the CPU), with the trainer's own
+(runtime.native.NativeRuntime on the CPU) or, with --runtime xla, of the XLA
+CPU device (runtime.xla.XlaRuntime: the host copy is a transfer from the
+device, as on a TPU, into fresh host tensors), with the trainer's own
 training.saving.CheckpointWriter writing to a local folder:
 
     host copy    runtime.state_to_host of the state alone, into fresh memory as a
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -69,19 +73,24 @@ MODELS = {
 class Training:
     """A model, its optimizer and a batch: step() trains once, state() is what a checkpoint holds."""
 
-    def __init__(self, name: str, batch_size: int):
+    def __init__(self, name: str, batch_size: int, device: torch.device):
         options, size = MODELS[name]
         torch.manual_seed(0)
-        self.model = create_model(name, channels=3, **options)
+        self.device = device
+        self.model = create_model(name, channels=3, **options).to(device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-        self.images = torch.randn(batch_size, 3, size, size)
-        self.labels = torch.randint(0, options["num_classes"], (batch_size,))
+        self.images = torch.randn(batch_size, 3, size, size).to(device)
+        self.labels = torch.randint(0, options["num_classes"], (batch_size,)).to(device)
         self.steps = 0
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(self.model(self.images), self.labels).backward()
         self.optimizer.step()
+        if self.device.type == "xla":
+            import torch_xla
+
+            torch_xla.sync(wait=True)  # the step runs here, as the trainer's loader cuts it
         self.steps += 1
 
     def state(self) -> dict:
@@ -125,9 +134,21 @@ def timed(function) -> float:
     return time.perf_counter() - start
 
 
-def measure(name: str, saves: int, batch_size: int, folder: str) -> dict:
-    runtime = NativeRuntime(0, 1, 0, torch.device("cpu"))
-    training = Training(name, batch_size)
+def make_runtime(kind: str):
+    """cpu_eager's replica runtime, or the XLA CPU device's (one replica, as accelerator=cpu runs)."""
+    if kind == "cpu_eager":
+        return NativeRuntime(0, 1, 0, torch.device("cpu"))
+    import os
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    from tpustream.runtime.xla import XlaRuntime
+
+    return XlaRuntime()
+
+
+def measure(name: str, saves: int, batch_size: int, folder: str, kind: str = "cpu_eager") -> dict:
+    runtime = make_runtime(kind)
+    training = Training(name, batch_size, runtime.device)
     training.step()  # the momentum buffers exist from here on
     state_bytes = tensor_bytes(training.state())
     copies = [timed(lambda: runtime.state_to_host(training.state())) for _ in range(3)]
@@ -156,6 +177,7 @@ def measure(name: str, saves: int, batch_size: int, folder: str) -> dict:
     idle_steps += [timed(training.step) for _ in range(2)]  # the same steps with no write in flight
     return {
         "model": name,
+        "runtime": kind,
         "state_mb": state_bytes / 1e6,
         "host_copy_s": statistics.median(copies),
         "sync_save_s": sync_save,
@@ -213,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size", type=int, default=8, help="the steps' batch between saves (default 8)"
     )
+    parser.add_argument(
+        "--runtime",
+        choices=["cpu_eager", "xla"],
+        default="cpu_eager",
+        help="the replica runtime: cpu_eager, or xla (the XLA CPU device; slow convolutions: a small batch)",
+    )
     args = parser.parse_args(argv)
     names = [name for name in args.models.split(",") if name]
     unknown = [name for name in names if name not in MODELS]
@@ -221,13 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-checkpoints-") as folder:
         for name in names:
-            rows.append(measure(name, args.saves, args.batch_size, folder))
+            rows.append(measure(name, args.saves, args.batch_size, folder, args.runtime))
             print(report(rows[-1:]).splitlines()[1], flush=True)
     print(report(rows))
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     path = RESULTS / f"{stamp}.json"
-    path.write_text(json.dumps({"command": "python -m bench.checkpoints", "rows": rows}, indent=1) + "\n")
+    command = " ".join(["python -m bench.checkpoints", *(sys.argv[1:] if argv is None else argv)])
+    path.write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
     print(f"results: {path}")
     return 0
 
