@@ -213,7 +213,7 @@ class CheckpointConfig:
     asynchronous: bool = True
     # The largest host copy (bytes) held while training goes on; a larger state
     # is saved synchronously, with a warning. null = the memory still available
-    # on the host once the copy is made (MemAvailable).
+    # on the host (MemAvailable), checked until a save has kept host buffers.
     asynchronous_max_bytes: int | None = None
     # Local folder (a local SSD) where last.pt is written first, then uploaded
     # to output_dir; a restart on the same host continues from the newer copy.

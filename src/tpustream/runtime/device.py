@@ -35,13 +35,14 @@ def to_host(value: Any, clone_cpu: bool = False) -> Any:
     XLA tensors cross in one batched transfer, as xm.save moves them
     (xm._maybe_convert_to_cpu), not one round trip each: ResNet-50's 481
     state tensors took 0.05-0.20 s batched against 0.22-0.28 s one by one on
-    the XLA CPU device (2-core development machine, 2026-11-27). .cpu() of a CPU tensor is the tensor itself, which
-    training may go on changing (an XLA run's optimizer keeps Adam's step
-    counts on the CPU). A copy that outlives the step (a checkpoint written in
-    the background) needs clone_cpu: written from an alias, it could hash one
-    value and store another. Without it, host tensors pass as they are (a
-    synchronous save's FSDP state, consolidated on the host already, is not
-    copied twice).
+    the XLA CPU device (2-core development machine, 2026-11-27).
+
+    .cpu() of a CPU tensor is the tensor itself, which training may go on
+    changing (an XLA run's optimizer keeps Adam's step counts on the CPU). A
+    copy that outlives the step (a checkpoint written in the background) needs
+    clone_cpu: written from an alias, it could hash one value and store
+    another. Without it, host tensors pass as they are (a synchronous save's
+    FSDP state, consolidated on the host already, is not copied twice).
     """
     on_xla: list[torch.Tensor] = []
     map_tensors(lambda tensor: on_xla.append(tensor.detach()) if tensor.device.type == "xla" else None, value)

@@ -41,7 +41,8 @@ class HostStaging:
 
     def copy(self, state: Any) -> Any:
         used: dict[tuple, torch.Tensor] = {}
-        copied = self._copy(state, (), used)
+        with torch.no_grad():  # a parameter's values into a plain buffer: nothing to record
+            copied = self._copy(state, (), used)
         self._buffers = used
         if self.pin_memory and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
@@ -49,7 +50,7 @@ class HostStaging:
 
     def _copy(self, value: Any, path: tuple, used: dict[tuple, torch.Tensor]) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._copy_tensor(value.detach(), path, used)
+            return self._copy_tensor(value, path, used)
         if isinstance(value, dict):
             return {key: self._copy(item, (*path, key), used) for key, item in value.items()}
         if isinstance(value, list | tuple):

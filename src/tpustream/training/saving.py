@@ -117,40 +117,43 @@ class CheckpointWriter:
         # Asynchronous: into the staging buffers the previous save used (no fresh memory to fault in).
         host_state = self.runtime.state_to_host(whole, self.staging if in_background else None)
         del whole
-        if host_state is not None:
-            if in_background:
-                holder = [host_state]
-                del host_state  # the writer alone holds the copy while it is written
+        if host_state is not None and in_background:
+            holder = [host_state]
+            del host_state  # the writer alone holds the copy while it is written
 
-                def write() -> list[str]:
-                    kept = checkpoint.write_host_state(url, holder.pop, self.fallback_dir, targets, local)
-                    then()
-                    return kept
-
-                self.background.submit(name, write)
-            else:
-                started = time.perf_counter()
-                fallback = self.fallback_dir
-                self.unsaved += checkpoint.write_host_state(url, host_state, fallback, targets, local)
-                self.write_seconds += time.perf_counter() - started
+            def write() -> list[str]:
+                kept = checkpoint.write_host_state(url, holder.pop, self.fallback_dir, targets, local)
                 then()
-        else:
-            then()  # not the master: nothing of its own to write
+                return kept
+
+            self.runtime.barrier(f"checkpoint:{url}")
+            # Last: from its start the writer competes for Python's lock with this thread.
+            self.background.submit(name, write)
+            return
+        if host_state is not None:
+            started = time.perf_counter()
+            self.unsaved += checkpoint.write_host_state(url, host_state, self.fallback_dir, targets, local)
+            self.write_seconds += time.perf_counter() - started
+        then()  # after the files (a replica that is not the master has none of its own)
         self.runtime.barrier(f"checkpoint:{url}")
 
     def _in_background(self, state: dict[str, Any]) -> bool:
         """Whether the master writes this state in the background (asynchronous_max_bytes allowing).
 
         Auto (no asynchronous_max_bytes): if its host copy fits in the memory
-        still available, counting the staging buffers it would reuse.
+        still available; once a save has kept host buffers, the next ones reuse
+        them and need no more.
         """
         if self.background is None:
             return False
+        kept = self.staging.nbytes
+        if self.max_bytes is None and kept:
+            return True  # into the buffers the previous save made: no new memory (a grown place: its own)
         size = tensor_bytes(state)
         limit = self.max_bytes
         if limit is None:
             available = available_host_bytes()
-            limit = None if available is None else available + self.staging.nbytes
+            limit = None if available is None else available + kept
         if limit is None or size <= limit:
             return True
         self.staging.release()  # a synchronous save's copy is freed once written
