@@ -621,3 +621,15 @@ def test_a_fresh_start_names_the_earlier_runs_best_epoch_as_its_best_pt_holds_it
         r"average, which best.pt follows \(ema.select_best=ema\); raw weights 8.36%\) that resume=null would",
     ):
         check_fresh_start(TrainConfig(output_dir=out, resume=None, data=DataConfig()))  # select_best: raw
+
+
+def test_a_run_that_never_evaluates_starts_no_validation_workers():
+    """eval_every=0: the validation loader is never read; its workers and /dev/shm ring would idle all run."""
+    from tests.fake_runtime import tiny_config
+    from tpustream.launch.replica import validation_data
+
+    cfg = tiny_config("unused", eval_every=0, **{"data.num_workers": 3})
+    assert validation_data(cfg).num_workers == 0 and cfg.data.num_workers == 3
+    assert validation_data(tiny_config("unused", eval_every=2, **{"data.num_workers": 3})).num_workers == 3
+    evaluating = tiny_config("unused", eval_every=0, eval_only=True, **{"data.num_workers": 3})
+    assert validation_data(evaluating).num_workers == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -9,7 +10,7 @@ import os
 from typing import Any
 
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint
-from tpustream.config import TrainConfig
+from tpustream.config import DataConfig, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
@@ -64,6 +65,18 @@ def init_data_worker(rank: int, world_size: int, worker_id: int) -> None:
     ignore_stop_signals()  # and it dies with its replica (data.read.loader.make_loader)
 
 
+def validation_data(cfg: TrainConfig) -> DataConfig:
+    """The validation split's data section: no DataLoader workers for a run that never evaluates.
+
+    eval_every=0 (without eval_only) never reads it; its workers would sit idle
+    for the run, and its ring of batches in /dev/shm with them (1.2 GiB at 15
+    workers for ResNet-50's 256: docs/limits.md).
+    """
+    if cfg.eval_every == 0 and not cfg.eval_only:
+        return dataclasses.replace(cfg.data, num_workers=0)
+    return cfg.data
+
+
 def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tuple[Any, Any]:
     """This replica's (train, validation) ShardStreams, their plan logged by the master."""
     from tpustream.data.read.partition import describe_balance, describe_partition
@@ -77,7 +90,7 @@ def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tupl
     def stream(manifest: ShardManifest, train: bool) -> ShardStream:
         return ShardStream(
             manifest,
-            cfg.data,
+            cfg.data if train else validation_data(cfg),
             batch_size=replica_batch,
             rank=runtime.rank,
             world_size=runtime.world_size,
@@ -127,8 +140,9 @@ def start_loaders(cfg: TrainConfig, runtime, train_stream, val_stream) -> tuple[
         record_ids=bool(cfg.debug.sample_log_dir),
         pin_device=pin,
     )
+    workers = val_stream.num_workers  # none where the run never evaluates (validation_data)
     val_loader = make_loader(
-        val_stream, cfg.data.num_workers, cfg.data.prefetch_factor, worker_init_fn=worker_init, pin_device=pin
+        val_stream, workers, cfg.data.prefetch_factor, worker_init_fn=worker_init, pin_device=pin
     )
     # Both loaders' workers start here, on this main thread, immune to stop
     # signals: started later by the training loop's thread (validation's after
