@@ -56,9 +56,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from tpustream.checkpoint.background import tensor_bytes
 from tpustream.config import DataConfig, TrainConfig
 from tpustream.models.registry import create_model
+from tpustream.runtime.device import tensor_bytes
 from tpustream.runtime.native import NativeRuntime
 from tpustream.training.saving import CheckpointWriter
 

@@ -6,9 +6,8 @@ import threading
 import time
 
 import pytest
-import torch
 
-from tpustream.checkpoint.background import BackgroundWriter, tensor_bytes
+from tpustream.checkpoint.background import BackgroundWriter
 
 
 def blocked_job(release: threading.Event, started: threading.Event, result=(), error=None):
@@ -65,11 +64,3 @@ def test_an_error_also_stops_the_next_save_before_it_starts():
     with pytest.raises(ValueError, match="bad state"):
         writer.submit("last.pt", blocked_job(threading.Event(), next_started))
     assert not next_started.is_set()
-
-
-def test_tensor_bytes_counts_every_tensor_of_a_nested_state():
-    state = {
-        "model": {"w": torch.zeros(4, 8), "b": torch.zeros(8, dtype=torch.bfloat16)},
-        "steps": [torch.ones(3)],
-    }
-    assert tensor_bytes({**state, "epoch": 3, "name": "x"}) == 4 * 8 * 4 + 8 * 2 + 3 * 4

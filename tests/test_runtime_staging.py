@@ -42,3 +42,13 @@ def test_an_xla_runtimes_host_copy_clones_cpu_tensors_only_for_a_copy_that_outli
     copied = to_host({"step": step}, clone_cpu=True)["step"]
     step += 1
     assert copied.item() == 7.0
+
+
+def test_tensor_bytes_counts_every_tensor_of_a_nested_state():
+    from tpustream.runtime.device import tensor_bytes
+
+    state = {
+        "model": {"w": torch.zeros(4, 8), "b": torch.zeros(8, dtype=torch.bfloat16)},
+        "steps": [torch.ones(3)],
+    }
+    assert tensor_bytes({**state, "epoch": 3, "name": "x"}) == 4 * 8 * 4 + 8 * 2 + 3 * 4

@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +92,3 @@ class BackgroundWriter:
             self._kept += kept
             self._write_seconds += time.perf_counter() - start
             self.saves += 1
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in a nested state (what its host copy will take)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(tensor_bytes(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return sum(tensor_bytes(item) for item in value)
-    return 0

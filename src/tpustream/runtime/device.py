@@ -29,6 +29,13 @@ def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return value
 
 
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in a nested state (what its host copy takes)."""
+    sizes: list[int] = []
+    map_tensors(lambda tensor: sizes.append(tensor.nbytes), value)
+    return sum(sizes)
+
+
 def to_host(value: Any, clone_cpu: bool = False) -> Any:
     """value with every tensor in it copied to the CPU (device tensors are computed first).
 

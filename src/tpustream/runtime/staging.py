@@ -33,7 +33,7 @@ class HostStaging:
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+        return sum(buffer.nbytes for buffer in self._buffers.values())
 
     def release(self) -> None:
         """Free the buffers (a save too large to keep a copy of between saves)."""

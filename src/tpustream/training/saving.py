@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tpustream import checkpoint, preemption
-from tpustream.checkpoint.background import BackgroundWriter, tensor_bytes
+from tpustream.checkpoint.background import BackgroundWriter
 from tpustream.checkpoint.local_tier import local_checkpoint_url
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
 from tpustream.runtime import Runtime
+from tpustream.runtime.device import tensor_bytes
 from tpustream.runtime.staging import HostStaging
 
 log = logging.getLogger("tpustream.training")
