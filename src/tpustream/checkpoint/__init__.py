@@ -65,6 +65,11 @@ def checkpoint_url(output_dir: str, name: str) -> str:
     return storage.join(output_dir, CHECKPOINTS, name)
 
 
+def local_mirror(folder: str, url: str) -> str:
+    """Where url is kept under a local folder (the fallback for a failed write, checkpoint.local_dir)."""
+    return os.path.join(folder, url.replace("://", "/").lstrip("/"))
+
+
 def content_digest(state: Any) -> str:
     """SHA-256 over a checkpoint's content in a canonical order (without 'integrity')."""
     digest = hashlib.sha256()
@@ -214,7 +219,7 @@ def _write_or_keep(url: str, data: bytes, fallback_dir: str | None, kept: list[s
     except StorageError as exc:
         if fallback_dir is None:
             raise
-        kept_at = os.path.join(fallback_dir, url.replace("://", "/").lstrip("/"))
+        kept_at = local_mirror(fallback_dir, url)
         storage.write_bytes(kept_at, data)
         log.error("could not write %s (%s); kept the checkpoint at %s", url, exc, kept_at)
         kept.append(kept_at)

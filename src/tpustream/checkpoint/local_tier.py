@@ -15,14 +15,21 @@ import logging
 import os
 
 from tpustream import storage
-from tpustream.checkpoint import CHECKPOINTS, LAST, CheckpointError, ResumePoint, load_checkpoint
+from tpustream.checkpoint import (
+    LAST,
+    CheckpointError,
+    ResumePoint,
+    checkpoint_url,
+    load_checkpoint,
+    local_mirror,
+)
 
 log = logging.getLogger(__name__)
 
 
 def local_checkpoint_url(local_dir: str, output_dir: str, name: str = LAST) -> str:
     """Where checkpoint `name` of the run in output_dir is kept under local_dir (a folder per run folder)."""
-    return os.path.join(local_dir, output_dir.replace("://", "/").lstrip("/"), CHECKPOINTS, name)
+    return local_mirror(local_dir, checkpoint_url(output_dir, name))
 
 
 def position_of(state: dict) -> tuple[int, int, int]:
@@ -62,9 +69,9 @@ def newer_local(
             "the remote copy on every host; to continue from the local one, upload it first "
             "(gcloud storage cp %s %s)",
             url,
-            storage.join(output_dir, CHECKPOINTS, LAST),
+            checkpoint_url(output_dir, LAST),
             url,
-            storage.join(output_dir, CHECKPOINTS, LAST),
+            checkpoint_url(output_dir, LAST),
         )
         return remote
     log.warning(
