@@ -142,7 +142,7 @@ class LoopTimer:
         self.compiled_before = compile_seconds()
         self.start = time.time()
 
-    def breakdown(self, checkpoint_stall_seconds: float, checkpoint_write_seconds: float = 0.0) -> Breakdown:
+    def breakdown(self, checkpoint_stall_seconds: float, checkpoint_write_seconds: float) -> Breakdown:
         train_seconds = time.time() - self.start
         # At the epoch's end (the trainer reads its loss next): CUDA events are read here.
         idle = self.wait.gaps.settle() if self.wait.gaps is not None else None
