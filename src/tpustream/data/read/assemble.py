@@ -50,6 +50,8 @@ from tpustream.errors import ConfigError
 SPARE_SLOTS = 3
 # Host batches kept for reuse (HostBatches): the ready ones, the consumer's and a few it holds on to.
 HOST_BATCHES = 6
+# Seconds an abandoned pass waits for its receiving thread before the loader shuts its workers down.
+ABANDON_WAIT_SECONDS = 10.0
 # How often a worker waiting for a slot looks again.
 SLOT_POLL_SECONDS = 0.0005
 _PASS, _RELEASED = 0, 1
@@ -357,7 +359,10 @@ def in_background(make: Callable[[], Iterator], depth: int, on_stop: Callable[[]
         if thread.is_alive():
             stop.set()
             on_stop()
-            while thread.is_alive():
+            # Bounded: a producer blocked inside the DataLoader, waiting for workers that only
+            # the loader's shutdown (which follows a close) stops, would never end here; it
+            # is a daemon and ends with them (seen once: a native run hung in close_loaders).
+            give_up = time.monotonic() + ABANDON_WAIT_SECONDS
+            while thread.is_alive() and time.monotonic() < give_up:
                 with contextlib.suppress(queue.Empty):  # a producer blocked on a full queue
                     ready.get(timeout=0.1)
-            thread.join()
