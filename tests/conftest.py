@@ -110,6 +110,20 @@ def png_bytes(image_chw: np.ndarray) -> bytes:
     return out.getvalue()
 
 
+@pytest.fixture(scope="session")
+def photo() -> Image.Image:
+    """A real photograph (scikit-learn's china.jpg, 640x427): JPEG statistics, not synthetic ones."""
+    from sklearn.datasets import load_sample_images
+
+    return Image.fromarray(load_sample_images().images[0])
+
+
+def encode_image(image: Image.Image, fmt: str = "JPEG", **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt, **options)
+    return out.getvalue()
+
+
 def solid_image(value: int, size: int = 8) -> np.ndarray:
     """A uint8 (3, size, size) image filled with value: its pixels identify the sample."""
     return np.full((3, size, size), value, np.uint8)

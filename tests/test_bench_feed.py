@@ -39,8 +39,13 @@ def test_settings_that_cannot_give_a_rate_are_refused(argv, capsys):
 def test_rows_run_synthetic_then_tpustream_then_stock_with_the_same_step(tmp_path):
     args = cli.parse_args([])
     planned = rows.plan_rows(args, tmp_path / "data", tmp_path / "runs", 1000)
-    assert [r.name for r in planned] == ["synthetic", "tpustream w=8", "tpustream w=15", "stock w=15"]
-    synthetic, w8, _, stock = (r.command for r in planned)
+    names = ["synthetic", "tpustream w=8", "tpustream w=15", "tpustream device w=4", "stock w=15"]
+    assert [r.name for r in planned] == names
+    synthetic, w8, _, device, stock = (r.command for r in planned)
+    assert (
+        "data.decode=device" in device and "data.num_workers=4" in device and "data.decode=device" not in w8
+    )
+    assert f"output_dir={tmp_path / 'runs' / 'tpustream-device-w4'}" in device
     common = rows.train_overrides(args, tmp_path / "data")
     assert all(o in synthetic and o in w8 for o in common) and "eval_every=0" in common
     assert "data.synthetic=true" in synthetic and "data.num_workers=8" in w8 and "epochs=3" in w8
@@ -58,7 +63,7 @@ def test_rows_run_synthetic_then_tpustream_then_stock_with_the_same_step(tmp_pat
 
 def test_dry_run_prints_every_command_and_makes_nothing(tmp_path, capsys):
     assert cli.main(["--dry-run", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 4
+    assert len(capsys.readouterr().out.splitlines()) == 5
     assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -13,6 +12,7 @@ from scipy import stats
 from torchvision import transforms
 from torchvision.transforms import v2
 
+from tests.conftest import encode_image as encode
 from tests.conftest import make_stream, write_tar
 from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.read.crops import (
@@ -29,20 +29,6 @@ from tpustream.data.read.crops import (
 )
 from tpustream.data.read.loader import make_loader
 from tpustream.data.resolve.split import SplitOptions, load_split
-
-
-@pytest.fixture(scope="module")
-def photo() -> Image.Image:
-    """A real photograph (scikit-learn's china.jpg, 640x427): JPEG statistics, not synthetic ones."""
-    from sklearn.datasets import load_sample_images
-
-    return Image.fromarray(load_sample_images().images[0])
-
-
-def encode(image: Image.Image, fmt: str = "JPEG", **options) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format=fmt, **options)
-    return out.getvalue()
 
 
 @pytest.mark.parametrize(("height", "width"), [(350, 400), (90, 1000), (1000, 60)])

@@ -56,27 +56,21 @@ def write_image_folder(root, split: str, count: int, seed: int) -> None:
         (folder / f"img_{i:05d}.JPEG").write_bytes(out.getvalue())
 
 
-def test_variable_size_jpegs_to_shards_to_random_resized_training(tmp_path):
+@pytest.fixture(scope="module")
+def imagenet_shards(tmp_path_factory) -> str:
+    """400 training and 100 validation images of the ten classes, as shards of 100 by tpustream-shards."""
+    tmp_path = tmp_path_factory.mktemp("imagenet")
     source = tmp_path / "imagenet"
     write_image_folder(source, "train", 400, seed=0)
     write_image_folder(source, "val", 100, seed=1)
     shards = str(tmp_path / "shards")
-    assert (
-        make_shards_main(
-            [
-                "imagefolder",
-                shards,
-                "--source",
-                str(source),
-                "--no-progress",
-                "--workers",
-                "1",
-                "--samples-per-shard",
-                "100",
-            ]
-        )
-        == 0
-    )
+    command = ["imagefolder", shards, "--source", str(source), "--no-progress", "--workers", "1"]
+    assert make_shards_main([*command, "--samples-per-shard", "100"]) == 0
+    return shards
+
+
+def test_variable_size_jpegs_to_shards_to_random_resized_training(imagenet_shards, tmp_path):
+    shards = imagenet_shards
     train = load_manifest(f"{shards}/train")
     assert train.image_size is None and train.num_samples == 400  # sizes vary; recorded as such
 
@@ -107,3 +101,31 @@ def test_variable_size_jpegs_to_shards_to_random_resized_training(tmp_path):
     assert {m["compilations"] for m in history} == {history[0]["compilations"]}
     best = load_checkpoint(f"{run}/checkpoints/best.pt")
     assert best["best_accuracy"] >= 0.8, best["history"]  # chance is 0.1
+
+
+def test_jpegs_decoded_on_the_device_train_the_same_recipe(imagenet_shards, tmp_path):
+    """data.decode=device on the native runtime (here the CPU): workers send JPEGs, the replica decodes."""
+    run = str(tmp_path / "run")
+    epochs = 3
+    result = run_train(
+        "data=imagenet",
+        f"data.root={imagenet_shards}",
+        "data.image_size=64",
+        "data.decode=device",
+        "data.num_workers=2",
+        "accelerator=cpu_eager",
+        "accelerator.in_process=true",
+        "model=small_cnn",
+        "batch_size=32",
+        f"epochs={epochs}",
+        "optim.lr=0.1",
+        "optim.reference_batch_size=null",
+        "optim.warmup_epochs=0.5",
+        "optim.label_smoothing=0.0",
+        f"output_dir={run}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = read_metrics(run)
+    assert [m["epoch"] for m in history] == list(range(epochs))
+    assert all(m["val_samples"] == 100 and m["train_filled"] == 0 for m in history)
+    assert history[-1]["val_accuracy"] >= 0.5, history  # chance is 0.1

@@ -26,6 +26,10 @@ the others' numbers), in this order:
                     accelerator's own rate for this model, batch and precision.
     tpustream w=K   train.py data=imagenet data.root=DATA data.num_workers=K,
                     for each K in --workers (8,15).
+    tpustream device w=K
+                    the same with data.decode=device (nvJPEG on the GPU; the
+                    workers only read bytes and draw crops), for each K in
+                    --device-workers (4).
     stock w=K       bench.feed.stock with K WebLoader workers, for each K in
                     --stock-workers (15): webdataset WebDataset + .decode("pil")
                     + torchvision RandomResizedCrop(224) + RandomHorizontalFlip

@@ -27,6 +27,7 @@ FULL = {
     "batch_size": 256,
     "epochs": 3,
     "workers": "8,15",
+    "device_workers": "4",
     "stock_workers": "15",
     "row_timeout": 150.0,
 }
@@ -41,6 +42,7 @@ QUICK = {
     "batch_size": 32,
     "epochs": 2,
     "workers": "1",
+    "device_workers": "1",
     "stock_workers": "1",
     "row_timeout": 120.0,
 }
@@ -84,6 +86,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--batch-size", type=int, help="(256; quick 32)")
     add("--epochs", type=int, help="per row, epoch 0 left out of the rate (3; quick 2)")
     add("--workers", type=worker_counts, help='tpustream rows\' data.num_workers ("8,15"; quick "1")')
+    add(
+        "--device-workers",
+        type=worker_counts,
+        help='data.decode=device rows\' data.num_workers ("4"; quick "1"; "" none)',
+    )
     add("--stock-workers", type=worker_counts, help='stock rows\' WebLoader workers ("15"; quick "1")')
     add("--row-timeout", type=float, help="seconds each row may run (150; quick 120)")
     add("--dry-run", action="store_true", help="print the commands; make and run nothing")

@@ -67,7 +67,7 @@ def format_table(rows: Sequence[Row]) -> str:
         result = row.result
         rate = result.get("images_per_second")
         cells = [
-            row.input,
+            row.name.partition(" w=")[0],  # "tpustream device": the input and how it decodes
             "-" if row.workers is None else str(row.workers),
             "-" if rate is None else f"{rate:,.1f}",
             times(result.get("of_synthetic"), ""),

@@ -26,7 +26,7 @@ TAIL_LINES = 30
 class Row:
     """One line of the table: a run of train.py or of the stock loop."""
 
-    name: str  # "synthetic", "tpustream w=8", "stock w=15"
+    name: str  # "synthetic", "tpustream w=8", "tpustream device w=4", "stock w=15"
     input: str  # "synthetic", "tpustream" or "stock"
     workers: int | None
     folder: Path  # the run folder: metrics.jsonl and output.log
@@ -68,7 +68,8 @@ def stock_command(args: Any, root: Path, workers: int, folder: Path, num_classes
 
 
 def plan_rows(args: Any, root: Path, runs: Path, num_classes: int) -> list[Row]:
-    """synthetic, then tpustream per --workers, then stock per --stock-workers, in the order they run."""
+    """synthetic, tpustream per --workers, tpustream decoding on the device per --device-workers,
+    then stock per --stock-workers, in the order they run."""
     common = train_overrides(args, root)
     rows = [
         Row(
@@ -79,12 +80,14 @@ def plan_rows(args: Any, root: Path, runs: Path, num_classes: int) -> list[Row]:
             train_command(REPO, runs / "synthetic", args.epochs, [*common, "data.synthetic=true"]),
         )
     ]
-    for workers in args.workers:
-        folder = runs / f"tpustream-w{workers}"
-        overrides = [*common, f"data.num_workers={workers}"]
+    variants = [("", [], workers) for workers in args.workers]
+    variants += [(" device", ["data.decode=device"], workers) for workers in args.device_workers]
+    for label, extra, workers in variants:
+        folder = runs / f"tpustream{label.replace(' ', '-')}-w{workers}"
+        overrides = [*common, *extra, f"data.num_workers={workers}"]
         rows.append(
             Row(
-                f"tpustream w={workers}",
+                f"tpustream{label} w={workers}",
                 "tpustream",
                 workers,
                 folder,

@@ -73,6 +73,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=scaling.DEFAULT_STAGE_IMAGES,
         help="--workers: images the per-stage times are measured on",
     )
+    parser.add_argument(
+        "--decode",
+        choices=("host", "device"),
+        default="host",
+        help="--workers: data.decode (device: the workers send JPEGs, the GPU decodes them)",
+    )
     args = parser.parse_args(argv)
     if args.workers is not None:
         if args.dataset != "imagenet":

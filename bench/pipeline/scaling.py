@@ -4,6 +4,7 @@ Reproduce (from the repository root):
 
     .venv/bin/python -m bench.pipeline --dataset imagenet --workers 1,2,4
     .venv/bin/python -m bench.pipeline --dataset imagenet --workers 1,2 --num-images 2000 --min-seconds 4
+    .venv/bin/python -m bench.pipeline --dataset imagenet --workers 1,2,4 --decode device   # on a GPU
 
 Data: bench.feed.data's ImageNet-like JPEGs (about 465x360, quality 95,
 66 KB; the images of the GPU headline, bench.feed), --num-images of them in
@@ -29,7 +30,10 @@ some workers wait for others every batch). Stages: per image, in one
 process over the first --stage-images samples, the milliseconds to read
 (tar parsing), decode (TurboJPEG at the DCT scale the crop allows), crop
 and resize (the antialiased resample to 224) and batch (the copy into the
-batch), from the same code the workers run.
+batch), from the same code the workers run, and what a worker does instead
+with --decode device (data.decode=device: the header read and the crop
+drawn; the loader's thread then decodes on the GPU, or without one on the
+CPU, in the replica's process).
 
 results.json in --out keeps every number with the command.
 """
@@ -51,6 +55,7 @@ from bench.feed.data import DataSpec, prepare_data
 from tpustream.config import DataConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.crops import SampleRandom, _decode_jpeg, decode_crop, random_resized_plan
+from tpustream.data.read.encoded import encode_crop
 from tpustream.data.read.loader import make_loader
 from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stages import ErrorPolicy, read_span_samples
@@ -83,10 +88,11 @@ def load_train_split(root: Path) -> ShardManifest:
     return load_split(str(root / "train"), "train", options)
 
 
-def make_stream(split: ShardManifest, workers: int) -> ShardStream:
+def make_stream(split: ShardManifest, workers: int, decode: str = "host") -> ShardStream:
     """The trainer's training stream for one replica with `workers` DataLoader workers."""
     data = dataclasses.replace(
         DataConfig(),
+        decode=decode,
         num_workers=workers,
         shuffle_buffer=SHUFFLE_BUFFER,
         last_batch="drop",
@@ -107,19 +113,20 @@ def consumer() -> Callable[[dict], None]:
     device = torch.device("cuda")
 
     def to_device(batch: dict) -> None:
-        # pin_memory() of a page-locked tensor is the tensor itself.
-        batch["image"].pin_memory().to(device, non_blocking=True)
+        # pin_memory() of a page-locked tensor is the tensor itself; data.decode=device
+        # made the images on the GPU already (the loader's thread waited for them).
+        if batch["image"].device.type != "cuda":
+            batch["image"].pin_memory().to(device, non_blocking=True)
         torch.cuda.current_stream().synchronize()
 
     return to_device
 
 
-def measure_workers(split: ShardManifest, workers: int, min_seconds: float) -> dict[str, Any]:
+def measure_workers(split: ShardManifest, workers: int, min_seconds: float, decode: str) -> dict[str, Any]:
     """One worker count: rate, and the CPU of the replica's process and of each worker."""
-    stream = make_stream(split, workers)
-    loader = make_loader(
-        stream, workers, pin_device=torch.device("cuda") if torch.cuda.is_available() else None
-    )
+    stream = make_stream(split, workers, decode)
+    gpu = torch.device("cuda") if torch.cuda.is_available() else None
+    loader = make_loader(stream, workers, pin_device=gpu, decode_device=gpu)
     consume = consumer()
     loader.start_workers()
     try:
@@ -196,6 +203,10 @@ def stage_times(split: ShardManifest, count: int) -> dict[str, float]:
     for row, crop in enumerate(crops):
         batch[row] = crop
     copy = time.perf_counter() - start
+    start = time.perf_counter()  # what a worker does instead for data.decode=device
+    for index, data in enumerate(images):
+        encode_crop(data, plan(index), IMAGE_SIZE, 3)
+    header = time.perf_counter() - start
     per_image = 1000 / len(images)
     return {
         "images": len(images),
@@ -203,6 +214,7 @@ def stage_times(split: ShardManifest, count: int) -> dict[str, float]:
         "decode_ms": decode * per_image,
         "crop_resize_ms": (whole - decode) * per_image,
         "batch_ms": copy * per_image,
+        "device_decode_worker_ms": header * per_image,
         "one_core_images_per_s": len(images) / (read + whole + copy),
     }
 
@@ -225,7 +237,8 @@ def describe(rows: list[dict[str, Any]], stages: dict[str, float]) -> str:
     lines.append(
         f"stages, ms per image in one process ({stages['images']} images): read {stages['read_ms']:.3f}, "
         f"decode {stages['decode_ms']:.3f}, crop+resize {stages['crop_resize_ms']:.3f}, "
-        f"batch {stages['batch_ms']:.3f} = {stages['one_core_images_per_s']:.0f} images/s on one core"
+        f"batch {stages['batch_ms']:.3f} = {stages['one_core_images_per_s']:.0f} images/s on one core; "
+        f"for data.decode=device, header and crop draw {stages['device_decode_worker_ms']:.3f}"
     )
     return "\n".join(lines)
 
@@ -239,7 +252,7 @@ def run(args, command: str) -> int:
     stages = stage_times(split, args.stage_images)
     rows = []
     for workers in args.workers:
-        rows.append(measure_workers(split, workers, args.min_seconds))
+        rows.append(measure_workers(split, workers, args.min_seconds, args.decode))
         print(describe(rows, stages), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,6 +261,7 @@ def run(args, command: str) -> int:
         "cpus": usable_cpus(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "batch_size": BATCH_SIZE,
+        "decode": args.decode,
         "stages": stages,
         "rows": rows,
     }

@@ -31,6 +31,16 @@ class TrainCrop(str, Enum):
     random_resized = "random_resized"
 
 
+class Decode(str, Enum):
+    """Where the JPEGs of data.train_crop=random_resized are decoded."""
+
+    # In the DataLoader workers (libjpeg-turbo, at the DCT scale the crop allows).
+    host = "host"
+    # On the replica's device (nvJPEG on a GPU, through torchvision.io.decode_jpeg):
+    # the workers read the bytes and draw the crops; the native runtime only.
+    device = "device"
+
+
 class IndexMode(str, Enum):
     """What to do when no sample count is recorded for a shard."""
 

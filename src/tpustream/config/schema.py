@@ -16,6 +16,7 @@ from omegaconf import MISSING
 
 from tpustream.config.choices import (
     Collectives,
+    Decode,
     Device,
     IndexMode,
     LastBatch,
@@ -94,6 +95,11 @@ class DataConfig:
     # (0.875: 256 for 224) and takes the centre image_size square.
     eval_crop_ratio: float = 0.875
     hflip: bool = True
+    # random_resized: where JPEGs are decoded. host = in the DataLoader workers;
+    # device = on the replica's GPU (nvJPEG): the workers only read the bytes and
+    # draw the crops, for GPU hosts with few vCPUs per GPU (docs/input.md). The
+    # native runtime only (accelerator=cuda, cpu_eager); TPUs decode on the host.
+    decode: Decode = Decode.host
     # Read and decode the whole split once per replica and serve batches from
     # memory (shared with the DataLoader workers) instead of streaming shards
     # every epoch: same batches, no storage reads or decoding after the first.
@@ -152,6 +158,17 @@ class DataConfig:
                 "data.in_memory holds decoded images of one size; data.train_crop=random_resized "
                 "crops every epoch anew from the encoded images: use one or the other"
             )
+        if self.decode == Decode.device:
+            if self.train_crop != TrainCrop.random_resized:
+                raise ConfigError(
+                    "data.decode=device decodes JPEGs into random-resized crops on the device: it needs "
+                    "data.train_crop=random_resized (images of one size are decoded on the host)"
+                )
+            if self.stages:
+                raise ConfigError(
+                    "data.stages run on decoded images in the workers; with data.decode=device the "
+                    "workers never see pixels: use data.decode=host with data.stages"
+                )
 
 
 @dataclass

@@ -139,10 +139,16 @@ def start_loaders(cfg: TrainConfig, runtime, train_stream, val_stream) -> tuple[
         worker_init_fn=worker_init,
         record_ids=bool(cfg.debug.sample_log_dir),
         pin_device=pin,
+        decode_device=device,  # data.decode=device (the native runtime's device)
     )
     workers = val_stream.num_workers  # none where the run never evaluates (validation_data)
     val_loader = make_loader(
-        val_stream, workers, cfg.data.prefetch_factor, worker_init_fn=worker_init, pin_device=pin
+        val_stream,
+        workers,
+        cfg.data.prefetch_factor,
+        worker_init_fn=worker_init,
+        pin_device=pin,
+        decode_device=device,
     )
     # Both loaders' workers start here, on this main thread, immune to stop
     # signals: started later by the training loop's thread (validation's after

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tpustream.config import (
     SPMD_STRATEGIES,
     Collectives,
+    Decode,
     Device,
     OptimizerName,
     RuntimeKind,
@@ -27,6 +28,12 @@ def check_runtime_and_strategy(cfg: TrainConfig) -> None:
         check_native(cfg)
     else:
         _check_xla_accelerator(cfg)
+        if cfg.data.decode == Decode.device and not cfg.data.synthetic:
+            # An XLA device has no JPEG decoder; a TPU host decodes in its workers.
+            raise ConfigError(
+                "data.decode=device decodes JPEGs with nvJPEG on the native runtime (accelerator=cuda, "
+                "or cpu_eager to try it on the CPU); on TPUs and XLA devices use data.decode=host"
+            )
     if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
         raise ConfigError(
             f"debug.check_sync_every compares the replicas' copies of the model; strategy="

@@ -53,8 +53,14 @@ def host_copy(value: Any) -> Any:
 
 def _to_device(value: Any, device: torch.device) -> Any:
     # From page-locked memory the copy is asynchronous: the host goes on
-    # preparing the next step while the GPU copies this one's batch.
-    return map_tensors(lambda tensor: tensor.pin_memory().to(device, non_blocking=True), value)
+    # preparing the next step while the GPU copies this one's batch. Images
+    # decoded on the GPU (data.decode=device) are there already.
+    return map_tensors(
+        lambda tensor: (
+            tensor if tensor.device == device else tensor.pin_memory().to(device, non_blocking=True)
+        ),
+        value,
+    )
 
 
 def _recorded_event() -> torch.cuda.Event:

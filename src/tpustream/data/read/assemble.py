@@ -181,21 +181,26 @@ def join_batches(parts: list[dict]) -> dict:
     return joined
 
 
-def join_pieces(pieces: list[dict]) -> dict:
-    """One batch's host fields from its workers' slot pieces (join_batches), as tensors.
-
-    The image is not among them: it is in the slot the pieces name.
-    """
-    joined = join_batches(pieces)
+def as_tensors(batch: dict) -> dict:
+    """A batch's numpy fields (a worker's piece travels with them inline) as tensors, "filled" as one."""
     return {
         name: torch.from_numpy(value)
         if isinstance(value, np.ndarray)
         else torch.tensor(int(value), dtype=torch.int64)
         if name == "filled"
         else value
-        for name, value in joined.items()
-        if name != "slot"
+        for name, value in batch.items()
     }
+
+
+def join_pieces(pieces: list[dict]) -> dict:
+    """One batch's host fields from its workers' slot pieces (join_batches), as tensors.
+
+    The image is not among them: it is in the slot the pieces name.
+    """
+    joined = join_batches(pieces)
+    joined.pop("slot")
+    return as_tensors(joined)
 
 
 def portable(piece: dict) -> dict:

@@ -30,6 +30,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import simplejpeg
@@ -52,7 +53,7 @@ _MASK64 = (1 << 64) - 1
 
 
 # JPEG colour spaces left to PIL, whose conversion matches the rest of the pipeline's.
-_PIL_COLORSPACES = ("CMYK", "YCCK")
+PIL_COLORSPACES = ("CMYK", "YCCK")
 
 
 def _splitmix64(value: int) -> int:
@@ -189,7 +190,7 @@ def _decode_jpeg(
 ) -> tuple[np.ndarray, CropPlan, int]:
     """(pixels (H, W, 1|3), plan, DCT factor) through TurboJPEG; ValueError if it cannot (PIL then tries)."""
     height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    if colorspace in _PIL_COLORSPACES:
+    if colorspace in PIL_COLORSPACES:
         raise ValueError(f"{colorspace} JPEG")
     plan = choose(height, width)
     factor = plan.dct_factor() if use_dct else 1
@@ -296,6 +297,9 @@ class CroppingDecoder:
     eval_ratio: float = 0.875
     hflip: bool = True
     use_dct: bool = True
+    # (bytes, chooser, size, channels, use_dct) -> the sample's image: decode_crop's
+    # pixels, or (data.decode=device) data.read.encoded.encode_crop's bytes and plan.
+    crop: Callable[..., Any] = decode_crop
 
     def __post_init__(self) -> None:
         channels, height, width = self.decoder.shape
@@ -318,7 +322,7 @@ class EpochCrops:
     owner: CroppingDecoder
     epoch: int
 
-    def __call__(self, sample: Mapping) -> tuple[np.ndarray, int]:
+    def __call__(self, sample: Mapping) -> tuple[Any, int]:
         owner = self.owner
         field, data = owner.decoder.image_bytes(sample)
         if image_extension(field) == "raw":
@@ -328,7 +332,7 @@ class EpochCrops:
         if owner.train:
             rnd = SampleRandom(owner.seed, self.epoch, int(sample.get("__id__", -1)))
             hflip = owner.hflip
-            image = decode_crop(
+            image = owner.crop(
                 data,
                 lambda h, w: random_resized_plan(h, w, size, rnd, hflip),
                 size,
@@ -337,7 +341,7 @@ class EpochCrops:
             )
         else:
             ratio = owner.eval_ratio
-            image = decode_crop(
+            image = owner.crop(
                 data, lambda h, w: center_plan(h, w, size, ratio), size, owner.decoder.channels, owner.use_dct
             )
         return image, label

@@ -63,12 +63,20 @@ class CountingLoader:
     It is the trainer's ``training.source.EpochSource``.
     """
 
-    def __init__(self, loader: DataLoader, record_ids: bool = False, pin_device: torch.device | None = None):
+    def __init__(
+        self,
+        loader: DataLoader,
+        record_ids: bool = False,
+        pin_device: torch.device | None = None,
+        decode: Callable[[dict], dict] | None = None,
+    ):
         self.loader = loader
         self.record_ids = record_ids
         # The GPU batches go to: their images are then put in page-locked
         # memory, by the one copy out of the workers' shared slots.
         self.pin_device = pin_device
+        # data.decode=device: what makes a batch's images of its JPEGs (data.read.device_decode).
+        self.decode = decode
         self._receiving: Iterator[dict] | None = None  # the current pass's receiving thread, if any
         self.filled = 0
         self.batches = 0
@@ -116,10 +124,17 @@ class CountingLoader:
         """
         dataset = self.loader.dataset
         slots = getattr(dataset, "slots", None) if self.loader.num_workers > 0 else None
-        if slots is None:
-            return self.batches_of(iter(self.loader))
+        decode = self.decode
+        if slots is None and (decode is None or self.loader.num_workers == 0):
+            batches = self.batches_of(iter(self.loader))
+            return batches if decode is None else map(decode, batches)
         # One pass at a time drives the DataLoader: an abandoned pass's thread stops first.
         self._stop_receiving()
+        if slots is None:  # the workers send JPEGs: the thread receives and decodes them
+            self._receiving = in_background(
+                lambda: map(decode, self.batches_of(iter(self.loader))), READY_BATCHES, _nothing
+            )
+            return self._receiving
         slots.begin_pass()
         assemble = SlotBatches(slots, dataset.pieces_per_batch, self.pin_device, dataset.complete)
         self._receiving = in_background(lambda: assemble(iter(self.loader)), READY_BATCHES, slots.abandon)
@@ -246,10 +261,13 @@ def make_loader(
     worker_init_fn: Callable[[int], None] | None = None,
     record_ids: bool = False,
     pin_device: torch.device | None = None,
+    decode_device: torch.device | None = None,
 ) -> CountingLoader:
     """A DataLoader over a ShardStream (its num_workers must match the stream's plan).
 
     pin_device: the GPU the batches go to (with workers, they are then in page-locked memory).
+    decode_device: where a stream of JPEGs (data.decode=device) is decoded; default the CPU.
+    ConfigError if it cannot decode there.
     """
     if num_workers != stream.num_workers:
         raise ValueError("the stream was planned for a different number of workers")
@@ -268,8 +286,27 @@ def make_loader(
         worker_init_fn=functools.partial(_start_worker, os.getpid(), worker_init_fn) if num_workers else None,
         multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
-    return CountingLoader(loader, record_ids, pin_device=pin_device if num_workers > 0 else None)
+    decode = None
+    if stream.encoded:
+        from tpustream.data.read.device_decode import DeviceDecoder
+
+        channels, size, _ = stream.decoder.shape
+        decode = DeviceDecoder(
+            decode_device or torch.device("cpu"),
+            size,
+            channels,
+            stream.on_error,
+            [shard.url for shard in stream.manifest.shards],
+        )
+        decode.check()
+    return CountingLoader(
+        loader, record_ids, pin_device=pin_device if num_workers > 0 else None, decode=decode
+    )
 
 
 def _unchanged(item: dict) -> dict:
     return item
+
+
+def _nothing() -> None:
+    """Nothing blocks a receiving thread of JPEGs: no slots to abandon."""

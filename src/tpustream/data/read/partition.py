@@ -117,3 +117,17 @@ def describe_balance(partition: CanonicalPartition | None, world_size: int, work
         f"{100 * balance:.0f}% of the time at most; {max(even)} worker(s) share them evenly "
         "(a run started with data.streams=auto chooses streams that share out)"
     )
+
+
+def pieces_hold_whole_groups(
+    partition: CanonicalPartition, world_size: int, workers: int, global_batch: int, group: int
+) -> bool:
+    """Whether each worker's piece of a batch holds whole augmentation groups (of `group` samples).
+
+    A group's pairs and batch-level draws belong to its first sample, so a
+    worker can draw for its piece only when no group straddles two pieces;
+    otherwise the replica's process draws for the joined batch.
+    """
+    chunk = partition.stream_batch(global_batch)
+    streams = [partition.streams_of(0, world_size, worker, workers) for worker in range(workers)]
+    return all(len(mine) * chunk % group == 0 for mine in streams)

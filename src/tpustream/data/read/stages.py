@@ -23,6 +23,7 @@ from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, open_tar_stream
 from tpustream.data.read.assemble import SlotWriter
 from tpustream.data.read.augment import random_crop_flip
+from tpustream.data.read.encoded import EncodedImage, pack_encoded
 from tpustream.data.read.plan import SampleSpan
 from tpustream.errors import DataError
 
@@ -105,7 +106,7 @@ class ErrorPolicy:
 
 @dataclass
 class DecodedSample:
-    image: np.ndarray  # uint8 (C, H, W)
+    image: np.ndarray | EncodedImage  # uint8 (C, H, W), or what the device decodes (data.decode=device)
     label: int
     real: bool  # False for the wrap-around padding of the last global batch
     sample_id: int = -1
@@ -241,7 +242,7 @@ def decode_samples(
 
 @dataclass
 class Batch:
-    images: np.ndarray  # uint8 (B, C, H, W)
+    images: np.ndarray  # uint8 (B, C, H, W), or EncodedImage objects (B,)
     labels: np.ndarray  # int64 (B,)
     real: np.ndarray  # bool (B,): counts in loss and metrics
     # Real samples bad data took out of the plan, counted as they were met
@@ -258,6 +259,7 @@ def batch_samples(
     shape: Sequence[int],
     on_error: ErrorPolicy,
     writer: SlotWriter | None = None,
+    blank: EncodedImage | None = None,
 ) -> Iterator[Batch]:
     """Exactly num_batches full batches, whatever the stream delivers.
 
@@ -266,7 +268,9 @@ def batch_samples(
     so shapes and step counts stay fixed. Surplus samples are never read.
     Each batch's "filled" is the real samples on_error counted lost while it
     was assembled. Images are written where the batch goes: the worker's
-    place in a shared slot (writer), else a new array per batch.
+    place in a shared slot (writer), else a new array per batch. With
+    blank (data.decode=device), samples are EncodedImages, kept in an
+    object array, and a batch with no sample at all holds blanks.
     """
     labels = np.empty(batch_size, np.int64)
     real = np.empty(batch_size, bool)
@@ -276,7 +280,12 @@ def batch_samples(
     for index in range(num_batches):
         # Each batch its own array: the previous one may still be in use
         # (the reserve below, or the pickled piece on its way to the replica).
-        images = writer.region(index) if writer is not None else np.empty((batch_size, *shape), np.uint8)
+        if blank is not None:
+            images = np.empty(batch_size, object)
+        elif writer is not None:
+            images = writer.region(index)
+        else:
+            images = np.empty((batch_size, *shape), np.uint8)
         count = 0
         for sample in source:
             images[count] = sample.image
@@ -289,7 +298,7 @@ def batch_samples(
         missing = batch_size - count
         if missing:
             if reserve is None and count == 0:
-                images[:] = 0
+                images.fill(0 if blank is None else blank)
                 labels[:] = 0
             else:
                 donor = (
@@ -324,6 +333,7 @@ def augment_batches(
     names it instead ("slot": its batch number in the pass), its fields
     numpy arrays, which travel to the replica inside the message (with rng,
     this stage writes them there; without, the batching stage did).
+    Encoded images (data.decode=device) become data.read.encoded's fields.
     """
     for index, batch in enumerate(batches):
         images = batch.images
@@ -342,8 +352,9 @@ def augment_batches(
         if writer is not None:
             yield {"slot": writer.batch_number(index), "filled": batch.filled, **fields}
             continue
+        pixels = pack_encoded(images) if images.dtype == object else {"image": images}
         yield {
-            "image": torch.from_numpy(images),
+            **{name: torch.from_numpy(value) for name, value in pixels.items()},
             "label": torch.from_numpy(fields["label"]),
             "real": torch.from_numpy(fields["real"]),
             "filled": torch.tensor(batch.filled, dtype=torch.int64),

@@ -23,8 +23,9 @@ from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.assemble import BatchSlots, SlotWriter, join_batches, portable, ring_slots
 from tpustream.data.read.augment import draw_crop_flip
-from tpustream.data.read.crops import CroppingDecoder
+from tpustream.data.read.encoded import stream_crops
 from tpustream.data.read.memory import SplitMemory
+from tpustream.data.read.partition import pieces_hold_whole_groups
 from tpustream.data.read.plan import (
     CanonicalPartition,
     EpochLayout,
@@ -116,11 +117,9 @@ class ShardStream(IterableDataset):
             image_key=data.image_key,
             label_key=data.label_key,
         )
-        self.crops: CroppingDecoder | None = None
-        if self.train_crop == TrainCrop.random_resized:
-            if data.in_memory:
-                raise ValueError("in_memory holds decoded images; random_resized crops need the encoded ones")
-            self.crops = CroppingDecoder(self.decoder, train, seed, data.eval_crop_ratio, data.hflip)
+        # Random-resized crops (None: pad_crop); with data.decode=device the workers send
+        # JPEGs and crops (data.read.encoded), and a batch with no sample is blanks.
+        self.crops, self.blank = stream_crops(self.decoder, data, train, seed)
         self.group = augment_group or batch_size  # one device's batch
         self.draws: BatchDraws | None = None
         if train and augment is not None and augment.active():
@@ -137,7 +136,10 @@ class ShardStream(IterableDataset):
         self.partition = partition if train else None
         if self.partition is not None:
             self.partition.check_shape(world_size, batch_size, self.num_workers)
-        self.pieces_draw = self._pieces_draw()  # fixed for the run: asked for every batch
+        # Fixed for the run: asked for every batch.
+        self.pieces_draw = self.partition is None or pieces_hold_whole_groups(
+            self.partition, world_size, self.pieces_per_batch, self.layout.global_batch_size, self.group
+        )
         # Loaded here, in the replica's main process, not on first iteration:
         # with DataLoader workers __iter__ only ever runs in the workers, which
         # receive this object by pickling when the loader first iterates. Loaded
@@ -152,11 +154,20 @@ class ShardStream(IterableDataset):
         # The ring of batches DataLoader workers write into (data.read.assemble),
         # made here so that the workers receive it as shared memory.
         ring = ring_slots(data.prefetch_factor, self.num_workers, self.partition is not None)
-        self.slots = BatchSlots(ring, batch_size, self.decoder.shape) if self.num_workers > 0 else None
+        self.slots = (
+            BatchSlots(ring, batch_size, self.decoder.shape)
+            if self.num_workers > 0 and not self.encoded
+            else None
+        )
         # Shared with persistent DataLoader workers, which hold their own
         # copy of this object: they read the epoch when each epoch starts.
         self._epoch = multiprocessing.RawValue("q", 0)
         self._skip = multiprocessing.RawValue("q", 0)
+
+    @property
+    def encoded(self) -> bool:
+        """Whether batches carry encoded images for the device to decode (data.decode=device)."""
+        return self.blank is not None
 
     @property
     def epoch(self) -> int:
@@ -207,21 +218,6 @@ class ShardStream(IterableDataset):
             batch.update(self.draws(self.epoch, np.asarray(batch["sample_id"])))
         return batch
 
-    def _pieces_draw(self) -> bool:
-        """Whether each worker's piece holds whole augmentation groups, so it adds the draws itself.
-
-        A group's pairs and batch-level draws belong to its first sample, so
-        the draws of a piece are the whole batch's only when no group
-        straddles two pieces; otherwise the replica's process draws for the
-        joined batch.
-        """
-        if self.partition is None:
-            return True
-        chunk = self.partition.stream_batch(self.layout.global_batch_size)
-        workers = self.pieces_per_batch
-        streams = [self.partition.streams_of(0, self.world_size, w, workers) for w in range(workers)]
-        return all(len(mine) * chunk % self.group == 0 for mine in streams)
-
     def worker_spans(self, worker: int, workers: int) -> list[SampleSpan]:
         shards = order_shards(self.manifest.shards, self.seed, self.epoch, shuffle=self.train)
         replica = split_by_replica(shards, self.layout, self.rank)
@@ -251,7 +247,8 @@ class ShardStream(IterableDataset):
             items = iter(
                 self.pipeline(worker, workers, skip, self._reader_writer(worker, workers, skip, generation))
             )
-        return items if generation is None else map(portable, items)
+        # A worker's piece travels inside its message, its numpy arrays pickled inline.
+        return items if info is None else map(portable, items)
 
     def _reader_writer(
         self, role: int, workers: int, skipped: int, generation: int | None
@@ -358,6 +355,7 @@ class ShardStream(IterableDataset):
                 shape=self.decoder.shape,
                 on_error=on_error,
                 writer=writer if augment_rng is None else None,  # else augment_batches writes
+                blank=self.blank,
             ),
             functools.partial(
                 augment_batches,

@@ -1,0 +1,189 @@
+"""data.decode=device: workers send JPEGs and the crops they drew; the replica's device decodes them.
+
+Here the device is the CPU (torchvision's libjpeg-turbo decode): the same
+code runs on a GPU with nvJPEG, whose pixels may differ from libjpeg's by
+its IDCT's rounding (not measurable without one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import encode_image, make_stream, write_tar
+from tpustream.config import DataConfig
+from tpustream.data.read.encoded import CROP_COLUMNS, KIND_JPEG, KIND_PIXELS, encode_crop
+from tpustream.data.read.loader import make_loader
+from tpustream.data.read.plan import CanonicalPartition
+from tpustream.data.resolve.split import SplitOptions, load_split
+from tpustream.errors import ConfigError, DataError
+
+SIZE = 24
+TRUNCATED = 13  # the sample whose JPEG ends inside its scan (bad_split)
+
+
+def odd_samples(photo, rng, start: int, count: int, truncate: int | None = None) -> list[tuple[str, bytes]]:
+    """JPEGs of varying size, with a grey, a CMYK and a PNG one among them (the worker crops those)."""
+    members = []
+    for i in range(start, start + count):
+        width, height = (int(v) for v in rng.integers(30, 121, 2))
+        left, top = (int(v) for v in rng.integers(0, 300, 2))
+        image = photo.crop((left, top, left + 2 * width, top + 2 * height)).resize((width, height))
+        if i == 1:
+            data = encode_image(image.convert("L"))
+        elif i == 4:
+            data = encode_image(image.convert("CMYK"))
+        elif i == 6:
+            data = encode_image(image, "PNG")  # named .jpg, as in ImageNet
+        else:
+            data = encode_image(image, quality=90)
+        if i == truncate:
+            data = data[: data.index(b"\xff\xda") + 20]  # its header reads; its pixels do not
+        members += [(f"{i:07d}.jpg", data), (f"{i:07d}.cls", str(i % 10).encode())]
+    return members
+
+
+def write_split(folder, photo, truncate: int | None = None):
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for shard in range(3):
+        members = odd_samples(photo, rng, shard * 12, 12, truncate)
+        (folder / f"train-{shard:06d}.tar").write_bytes(write_tar(members))
+    return load_split(
+        str(folder), "train", SplitOptions(num_classes=10, image_size=SIZE, crop=True, progress=False)
+    )
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory, photo):
+    return write_split(tmp_path_factory.mktemp("device") / "odd", photo)
+
+
+@pytest.fixture(scope="module")
+def bad_split(tmp_path_factory, photo):
+    return write_split(tmp_path_factory.mktemp("device") / "bad", photo, truncate=TRUNCATED)
+
+
+def one_pass(
+    split, decode: str, workers: int = 0, train: bool = True, partition=None, **data
+) -> tuple[list, int]:
+    """An epoch's batches and the real samples bad data took out of it (the loader's "filled")."""
+    stream = make_stream(
+        split,
+        batch_size=8,
+        rank=0,
+        world_size=1,
+        num_workers=workers,
+        train=train,
+        seed=3,
+        shuffle_buffer=16,
+        train_crop="random_resized",
+        decode=decode,
+        partition=partition,
+        **data,
+    )
+    # The host path decoding at full size, as nvJPEG does (no DCT-domain scale-down).
+    stream.crops = dataclasses.replace(stream.crops, use_dct=False)
+    stream.set_epoch(2)
+    loader = make_loader(stream, workers, record_ids=True)
+    out = list(loader)
+    loader.raise_if_incomplete("train")
+    loader.close()
+    return out, loader.filled
+
+
+def batches(*args, **kwargs) -> list[dict]:
+    return one_pass(*args, **kwargs)[0]
+
+
+@pytest.mark.parametrize(
+    ("workers", "partition"), [(0, None), (2, None), (2, CanonicalPartition(streams=4, stream_buffer=8))]
+)
+def test_device_decoding_gives_the_host_paths_crops_within_rounding(split, workers, partition):
+    """The same windows and flips (drawn by the workers) and pixels within one level, train and eval."""
+    for train in (True, False):
+        host = batches(split, "host", workers, train, partition if train else None)
+        device = batches(split, "device", workers, train, partition if train else None)
+        assert len(host) == len(device) == 5
+        for a, b in zip(host, device, strict=True):
+            assert set(a) == set(b)
+            assert torch.equal(a["label"], b["label"]) and torch.equal(a["real"], b["real"])
+            error = (a["image"].int() - b["image"].int()).abs()
+            assert error.max() <= 1 and error.float().mean() < 0.2
+
+
+def test_the_workers_send_jpegs_as_they_are_and_crop_what_the_device_cannot_take(split):
+    stream = make_stream(
+        split,
+        batch_size=12,
+        rank=0,
+        world_size=1,
+        train=False,
+        seed=3,
+        train_crop="random_resized",
+        decode="device",
+    )
+    stream.set_epoch(0)
+    first = next(iter(stream))
+    assert "image" not in first and first["crop"].shape == (12, CROP_COLUMNS)
+    sizes, kinds = first["encoded_size"], first["crop"][:, 0]
+    assert int(sizes.sum()) == len(first["encoded"])
+    # The first shard's 12 samples in order (evaluation): the grey JPEG is one for the
+    # device (decoded as RGB it repeats its plane); the CMYK one and the PNG are the worker's.
+    assert kinds.tolist() == [KIND_JPEG] * 4 + [KIND_PIXELS, KIND_JPEG, KIND_PIXELS] + [KIND_JPEG] * 5
+    assert int(sizes[4]) == int(sizes[6]) == 3 * SIZE * SIZE
+
+
+def test_a_header_read_twice_draws_one_crop(photo):
+    """A CMYK JPEG's header is read, then the worker crops it with the plan already drawn."""
+    drawn = []
+
+    def choose(height, width):
+        from tpustream.data.read.crops import SampleRandom, random_resized_plan
+
+        drawn.append((height, width))
+        return random_resized_plan(height, width, SIZE, SampleRandom(0, 0, len(drawn)), hflip=True)
+
+    image = encode_crop(encode_image(photo.resize((60, 40)).convert("CMYK")), choose, SIZE, 3)
+    assert image.plan is None and len(image.data) == 3 * SIZE * SIZE and drawn == [(40, 60)]
+
+
+def test_a_jpeg_the_device_cannot_decode_is_bad_data_in_its_place(bad_split):
+    """skip: its place zeros and not real, counted as filled; raise: one line naming shard and sample."""
+    out, filled = one_pass(bad_split, "device", workers=2)
+    assert filled == 1
+    flat_real = torch.cat([b["real"] for b in out])
+    flat_images = torch.cat([b["image"] for b in out])
+    blank = (flat_images == 0).flatten(1).all(1)  # the 4 other places not real are padding
+    assert int(blank.sum()) == 1 and flat_real[blank].item() == 0
+    # The host path skips it in the worker: the same count, another place.
+    host, filled = one_pass(bad_split, "host", workers=0)
+    assert filled == 1 and sum(int(b["real"].sum()) for b in host) == 35
+    with pytest.raises(DataError, match=rf"train-000001\.tar sample #{TRUNCATED - 12}: cannot decode"):
+        batches(bad_split, "device", workers=0, on_error="raise")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"decode": "device"}, "train_crop=random_resized"),
+        ({"decode": "device", "train_crop": "random_resized", "stages": ["a.b:c"]}, "data.stages"),
+    ],
+)
+def test_device_decoding_refuses_what_it_cannot_do(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(DataConfig(train_shards="s", val_shards="v"), **fields).check()
+
+
+def test_xla_devices_keep_the_host_path(compose_config):
+    from tpustream.launch import resolve_config
+    from tpustream.launch.runtime_checks import check_runtime_and_strategy
+
+    typed, _ = resolve_config(compose_config("data=imagenet", "data.decode=device"))
+    with pytest.raises(ConfigError, match="native runtime"):
+        check_runtime_and_strategy(typed)
+    typed, _ = resolve_config(compose_config("data=imagenet", "data.decode=device", "accelerator=cpu_eager"))
+    check_runtime_and_strategy(typed)
