@@ -56,6 +56,24 @@ def write_image_folder(root, split: str, count: int, seed: int) -> None:
         (folder / f"img_{i:05d}.JPEG").write_bytes(out.getvalue())
 
 
+def recipe(shards: str, run: str, epochs: int) -> list[str]:
+    """train.py's overrides for a small CNN on the shards at 64 px, learning in a few epochs."""
+    return [
+        "data=imagenet",
+        f"data.root={shards}",
+        "data.image_size=64",
+        "accelerator.in_process=true",  # the spawn path is test_e2e's; here it would only add seconds
+        "model=small_cnn",
+        "batch_size=32",
+        f"epochs={epochs}",
+        "optim.lr=0.1",
+        "optim.reference_batch_size=null",
+        "optim.warmup_epochs=0.5",
+        "optim.label_smoothing=0.0",
+        f"output_dir={run}",
+    ]
+
+
 @pytest.fixture(scope="module")
 def imagenet_shards(tmp_path_factory) -> str:
     """400 training and 100 validation images of the ten classes, as shards of 100 by tpustream-shards."""
@@ -76,21 +94,7 @@ def test_variable_size_jpegs_to_shards_to_random_resized_training(imagenet_shard
 
     run = str(tmp_path / "run")
     epochs = 5
-    result = run_train(
-        "data=imagenet",
-        f"data.root={shards}",
-        "data.image_size=64",
-        "data.num_workers=0",
-        "accelerator.in_process=true",  # the spawn path is test_e2e's; here it would only add seconds
-        "model=small_cnn",
-        "batch_size=32",
-        f"epochs={epochs}",
-        "optim.lr=0.1",
-        "optim.reference_batch_size=null",
-        "optim.warmup_epochs=0.5",
-        "optim.label_smoothing=0.0",
-        f"output_dir={run}",
-    )
+    result = run_train(*recipe(shards, run, epochs), "data.num_workers=0")
     assert result.returncode == 0, result.stderr[-3000:]
     history = read_metrics(run)
     assert [m["epoch"] for m in history] == list(range(epochs))
@@ -107,23 +111,8 @@ def test_jpegs_decoded_on_the_device_train_the_same_recipe(imagenet_shards, tmp_
     """data.decode=device on the native runtime (here the CPU): workers send JPEGs, the replica decodes."""
     run = str(tmp_path / "run")
     epochs = 3
-    result = run_train(
-        "data=imagenet",
-        f"data.root={imagenet_shards}",
-        "data.image_size=64",
-        "data.decode=device",
-        "data.num_workers=2",
-        "accelerator=cpu_eager",
-        "accelerator.in_process=true",
-        "model=small_cnn",
-        "batch_size=32",
-        f"epochs={epochs}",
-        "optim.lr=0.1",
-        "optim.reference_batch_size=null",
-        "optim.warmup_epochs=0.5",
-        "optim.label_smoothing=0.0",
-        f"output_dir={run}",
-    )
+    overrides = ["data.decode=device", "data.num_workers=2", "accelerator=cpu_eager"]
+    result = run_train(*recipe(imagenet_shards, run, epochs), *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     history = read_metrics(run)
     assert [m["epoch"] for m in history] == list(range(epochs))
