@@ -23,9 +23,12 @@ from tpustream.errors import ConfigError, DataError
 
 SIZE = 24
 TRUNCATED = 13  # the sample whose JPEG ends inside its scan (bad_split)
+GARBAGE = 30  # a sample no decoder reads: the worker leaves it out and fills its place
 
 
-def odd_samples(photo, rng, start: int, count: int, truncate: int | None = None) -> list[tuple[str, bytes]]:
+def odd_samples(
+    photo, rng, start: int, count: int, truncate: int | None, garbage: int | None
+) -> list[tuple[str, bytes]]:
     """JPEGs of varying size, with a grey, a CMYK and a PNG one among them (the worker crops those)."""
     members = []
     for i in range(start, start + count):
@@ -42,15 +45,17 @@ def odd_samples(photo, rng, start: int, count: int, truncate: int | None = None)
             data = encode_image(image, quality=90)
         if i == truncate:
             data = data[: data.index(b"\xff\xda") + 20]  # its header reads; its pixels do not
+        if i == garbage:
+            data = b"not an image"
         members += [(f"{i:07d}.jpg", data), (f"{i:07d}.cls", str(i % 10).encode())]
     return members
 
 
-def write_split(folder, photo, truncate: int | None = None):
+def write_split(folder, photo, truncate: int | None = None, garbage: int | None = GARBAGE):
     rng = np.random.default_rng(0)
     folder.mkdir()
     for shard in range(3):
-        members = odd_samples(photo, rng, shard * 12, 12, truncate)
+        members = odd_samples(photo, rng, shard * 12, 12, truncate, garbage)
         (folder / f"train-{shard:06d}.tar").write_bytes(write_tar(members))
     return load_split(
         str(folder), "train", SplitOptions(num_classes=10, image_size=SIZE, crop=True, progress=False)
@@ -64,11 +69,18 @@ def split(tmp_path_factory, photo):
 
 @pytest.fixture(scope="module")
 def bad_split(tmp_path_factory, photo):
-    return write_split(tmp_path_factory.mktemp("device") / "bad", photo, truncate=TRUNCATED)
+    return write_split(tmp_path_factory.mktemp("device") / "bad", photo, truncate=TRUNCATED, garbage=None)
 
 
 def one_pass(
-    split, decode: str, workers: int = 0, train: bool = True, partition=None, device: str = "cpu", **data
+    split,
+    decode: str,
+    workers: int = 0,
+    train: bool = True,
+    partition=None,
+    device: str = "cpu",
+    skip: int = 0,
+    **data,
 ) -> tuple[list, int]:
     """An epoch's batches and the real samples bad data took out of it (the loader's "filled")."""
     stream = make_stream(
@@ -87,7 +99,7 @@ def one_pass(
     )
     # The host path decoding at full size, as nvJPEG does (no DCT-domain scale-down).
     stream.crops = dataclasses.replace(stream.crops, use_dct=False)
-    stream.set_epoch(2)
+    stream.set_epoch(2, skip_batches=skip)
     loader = make_loader(stream, workers, record_ids=True, decode_device=torch.device(device))
     out = list(loader)
     loader.raise_if_incomplete("train")
@@ -103,11 +115,12 @@ def batches(*args, **kwargs) -> list[dict]:
     ("workers", "partition"), [(0, None), (2, None), (2, CanonicalPartition(streams=4, stream_buffer=8))]
 )
 def test_device_decoding_gives_the_host_paths_crops_within_rounding(split, workers, partition):
-    """The same windows and flips (drawn by the workers) and pixels within one level, train and eval."""
+    """The same windows and flips (drawn by the workers) and pixels within one level, train and eval;
+    a sample no decoder reads is left out and its place filled the same way."""
     for train in (True, False):
-        host = batches(split, "host", workers, train, partition if train else None)
-        device = batches(split, "device", workers, train, partition if train else None)
-        assert len(host) == len(device) == 5
+        host, host_filled = one_pass(split, "host", workers, train, partition if train else None)
+        device, filled = one_pass(split, "device", workers, train, partition if train else None)
+        assert len(host) == len(device) == 5 and filled == host_filled == 1
         for a, b in zip(host, device, strict=True):
             assert set(a) == set(b)
             assert torch.equal(a["label"], b["label"]) and torch.equal(a["real"], b["real"])
@@ -128,6 +141,13 @@ def test_nvjpeg_crops_are_close_to_the_host_paths(split):
             assert b["image"].device.type == "cuda" and torch.equal(a["label"], b["label"])
             error = (a["image"].int() - b["image"].cpu().int()).abs().float()
             assert error.mean() < 2.0 and 10 * torch.log10(255**2 / (error**2).mean().clamp(min=1e-6)) > 30
+
+
+def test_a_resumed_pass_decodes_the_same_images(split):
+    full = batches(split, "device", 2)
+    rest = batches(split, "device", 2, skip=2)
+    for a, b in zip(full[2:], rest, strict=True):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
 
 
 def test_the_workers_send_jpegs_as_they_are_and_crop_what_the_device_cannot_take(split):
@@ -177,7 +197,9 @@ def test_a_jpeg_the_device_cannot_decode_is_bad_data_in_its_place(bad_split):
     # The host path skips it in the worker: the same count, another place.
     host, filled = one_pass(bad_split, "host", workers=0)
     assert filled == 1 and sum(int(b["real"].sum()) for b in host) == 35
-    with pytest.raises(DataError, match=rf"train-000001\.tar sample #{TRUNCATED - 12}: cannot decode"):
+    with pytest.raises(
+        DataError, match=rf"train-000001\.tar, its sample at index {TRUNCATED - 12}: cannot decode"
+    ):
         batches(bad_split, "device", workers=0, on_error="raise")
 
 

@@ -168,7 +168,7 @@ class DeviceDecoder:
     def _bad(self, batch: dict, place: int, reason: str) -> None:
         sample_id = int(batch["sample_id"][place])
         url = self.shard_urls[sample_id >> SHARD_ID_SHIFT] if sample_id >= 0 else None
-        where = f"{url} sample #{sample_id & _SAMPLE_MASK}" if url is not None else "a repeated sample"
+        where = f"{url}, its sample at index {sample_id & _SAMPLE_MASK}" if url is not None else "a fill"
         if self.on_error == OnError["raise"]:
             raise DataError(f"{where}: cannot decode its JPEG on {self.device}: {reason}")
         if batch["real"][place] > 0:  # padding and fills were counted where they are real
