@@ -67,3 +67,12 @@ def test_cifar_limits_decode_the_same_images_in_memory():
     image, label = next(cifar.limit_ours(data, 0)())
     assert image.shape == (harness.BATCH_SIZE, 3, 32, 32) and image.dtype.is_floating_point
     assert label.tolist() == data.labels[: harness.BATCH_SIZE]
+
+
+def test_receiving_times_the_pieces_it_receives():
+    from bench.pipeline import receiving
+
+    row = receiving.measure(2, 40)
+    assert row["pieces"] == 40 and row["workers"] == 2
+    assert 0 < row["cpu_us_per_piece"] <= row["wall_us_per_piece"] + 1  # one thread: CPU within wall
+    assert row["cpu_ms_per_batch"] == pytest.approx(row["cpu_us_per_piece"] * 2 / 1000)

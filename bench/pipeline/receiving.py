@@ -1,0 +1,110 @@
+"""What receiving a batch's pieces costs the replica's process, per piece and per batch.
+
+    .venv/bin/python -m bench.pipeline.receiving                    # workers 1,2,4,8,16
+    .venv/bin/python -m bench.pipeline.receiving --workers 15,16 --pieces 8000
+
+A DataLoader like the trainer's (batch_size=None, the items as they are,
+persistent workers forked from a fork server, prefetch_factor 4) over
+workers that yield, as fast as they can, the small messages tpustream's
+workers send under a canonical partition: a piece of a 256-sample batch
+(labels, sample ids and the real mask as numpy arrays pickled inline, the
+slot number, the fill count) whose pixels went into the shared slots. The
+receiving thread's CPU time (time.thread_time) over --pieces pieces, after
+200 untimed ones, is what DataLoader's bookkeeping, the pipe and the
+unpickling take from the replica's process per piece; times the workers,
+per batch. That thread holds the GIL for most of it: it is the most the
+receiving can take from a training thread sharing that GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset
+
+BATCH = 256
+WARM_UP = 200
+
+
+class Pieces(IterableDataset):
+    """Each worker's share of `pieces` messages, each a piece of a BATCH-sample batch split `workers` ways."""
+
+    def __init__(self, workers: int, pieces: int):
+        self.size, self.count = BATCH // workers, (pieces + WARM_UP) // workers + 1
+
+    def __iter__(self) -> Iterator[dict]:
+        size = self.size
+        labels, real, ids = (
+            np.zeros(size, np.int64),
+            np.ones(size, np.float32),
+            np.arange(size, dtype=np.int64),
+        )
+        for index in range(self.count):
+            yield {
+                "slot": index,
+                "filled": 0,
+                "label": labels,
+                "real": real,
+                "sample_id": ids,
+                "bad_shards": [],
+            }
+
+
+def _unchanged(item: dict) -> dict:
+    return item
+
+
+def measure(workers: int, pieces: int) -> dict[str, float]:
+    loader = DataLoader(
+        Pieces(workers, pieces),
+        batch_size=None,
+        collate_fn=_unchanged,
+        num_workers=workers,
+        prefetch_factor=4,
+        persistent_workers=True,
+        multiprocessing_context="forkserver",
+    )
+    items = iter(loader)
+    for _ in range(WARM_UP):
+        next(items)
+    start, cpu = time.perf_counter(), time.thread_time()
+    received = 0
+    for _ in zip(range(pieces), items, strict=False):
+        received += 1
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    items._shutdown_workers()
+    return {
+        "workers": workers,
+        "pieces": received,
+        "cpu_us_per_piece": 1e6 * cpu / received,
+        "wall_us_per_piece": 1e6 * wall / received,
+        "cpu_ms_per_batch": 1e3 * cpu / received * workers,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pipeline.receiving", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--workers", default="1,2,4,8,16", help="DataLoader worker counts (default 1,2,4,8,16)"
+    )
+    parser.add_argument("--pieces", type=int, default=4000, help="pieces timed per worker count (4000)")
+    args = parser.parse_args(argv)
+    print("| workers | CPU us a piece | wall us a piece | CPU ms a batch of 256 |")
+    print("| ---: | ---: | ---: | ---: |")
+    for workers in (int(part) for part in args.workers.split(",")):
+        row = measure(workers, args.pieces)
+        print(
+            f"| {workers} | {row['cpu_us_per_piece']:.0f} | {row['wall_us_per_piece']:.0f} "
+            f"| {row['cpu_ms_per_batch']:.2f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
