@@ -139,3 +139,8 @@ def test_shards_cover_each_split_once_and_hold_jpegs_with_labels(tmp_path):
         label = tar.extractfile("00001101.cls").read()
     assert samples == 2 and names == ["00001100.jpg", "00001100.cls", "00001101.jpg", "00001101.cls"]
     assert label == b"2" and all(300 < max(size) < 730 for size in sizes)  # 1101 % 7, about 480 px long
+
+
+@pytest.mark.parametrize(("listing", "count"), [("0-1\n", 2), ("0,8", 2), ("3", 1), ("0-1,4-5", 4)])
+def test_threads_per_core_reads_the_kernels_cpu_lists(listing, count):
+    assert report.cpu_list_size(listing) == count

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bench.ab import REPO
@@ -137,6 +138,7 @@ def environment() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
         "sched_getaffinity": affinity,
+        "threads_per_core": threads_per_core(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -145,9 +147,32 @@ def environment() -> dict[str, Any]:
     }
 
 
+def threads_per_core(cpu: int = 0) -> int | None:
+    """Hardware threads sharing CPU `cpu`'s core (2 where vCPUs are hyperthreads); None where unknown.
+
+    A training thread whose sibling runs a decoding worker runs slower than
+    alone, which a synthetic run (no workers) never pays.
+    """
+    try:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+    except OSError:
+        return None
+    return cpu_list_size(siblings)
+
+
+def cpu_list_size(listing: str) -> int:
+    """CPUs in a kernel CPU list: "0-1" -> 2, "0,8" -> 2, "3" -> 1."""
+    count = 0
+    for part in listing.strip().split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
+
+
 def describe_environment(found: dict[str, Any]) -> str:
     versions = ", ".join(f"{name} {value}" for name, value in found["versions"].items() if value)
     return (
         f"{found['gpu'] or 'no GPU'}; os.cpu_count() {found['cpu_count']}, "
-        f"sched_getaffinity {found['sched_getaffinity']}; {versions}"
+        f"sched_getaffinity {found['sched_getaffinity']}, "
+        f"threads per core {found.get('threads_per_core') or '?'}; {versions}"
     )
