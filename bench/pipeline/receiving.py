@@ -2,6 +2,8 @@
 
     .venv/bin/python -m bench.pipeline.receiving                    # workers 1,2,4,8,16
     .venv/bin/python -m bench.pipeline.receiving --workers 15,16 --pieces 8000
+    .venv/bin/python -m bench.pipeline.receiving --workers 2,4,8 --pieces 240 \
+        --batch-bytes 17000000 --bytes-as numpy        # or tensor
 
 A DataLoader like the trainer's (batch_size=None, the items as they are,
 persistent workers forked from a fork server, prefetch_factor 4) over
@@ -14,6 +16,11 @@ receiving thread's CPU time (time.thread_time) over --pieces pieces, after
 unpickling take from the replica's process per piece; times the workers,
 per batch. That thread holds the GIL for most of it: it is the most the
 receiving can take from a training thread sharing that GIL.
+
+--batch-bytes N adds to each piece its share of N bytes, as data.decode=device's
+pieces carry their JPEGs (about 17 MB a batch of 256 ImageNet JPEGs):
+--bytes-as tensor sends them as a torch tensor (DataLoader moves it into a
+shared-memory file and sends its handle), numpy pickles them inline.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 BATCH = 256
@@ -32,34 +40,30 @@ WARM_UP = 200
 class Pieces(IterableDataset):
     """Each worker's share of `pieces` messages, each a piece of a BATCH-sample batch split `workers` ways."""
 
-    def __init__(self, workers: int, pieces: int):
+    def __init__(self, workers: int, pieces: int, batch_bytes: int = 0, bytes_as: str = "tensor"):
         self.size, self.count = BATCH // workers, (pieces + WARM_UP) // workers + 1
+        self.piece_bytes, self.bytes_as = batch_bytes // workers, bytes_as
 
     def __iter__(self) -> Iterator[dict]:
         size = self.size
-        labels, real, ids = (
-            np.zeros(size, np.int64),
-            np.ones(size, np.float32),
-            np.arange(size, dtype=np.int64),
-        )
+        labels, real = np.zeros(size, np.int64), np.ones(size, np.float32)
+        ids = np.arange(size, dtype=np.int64)
         for index in range(self.count):
-            yield {
-                "slot": index,
-                "filled": 0,
-                "label": labels,
-                "real": real,
-                "sample_id": ids,
-                "bad_shards": [],
-            }
+            piece = {"slot": index, "filled": 0, "label": labels, "real": real, "sample_id": ids}
+            piece["bad_shards"] = []
+            if self.piece_bytes:
+                data = np.zeros(self.piece_bytes, np.uint8)  # a new buffer each, as a worker's batch is
+                piece["encoded"] = torch.from_numpy(data) if self.bytes_as == "tensor" else data
+            yield piece
 
 
 def _unchanged(item: dict) -> dict:
     return item
 
 
-def measure(workers: int, pieces: int) -> dict[str, float]:
+def measure(workers: int, pieces: int, batch_bytes: int = 0, bytes_as: str = "tensor") -> dict[str, float]:
     loader = DataLoader(
-        Pieces(workers, pieces),
+        Pieces(workers, pieces, batch_bytes, bytes_as),
         batch_size=None,
         collate_fn=_unchanged,
         num_workers=workers,
@@ -93,11 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", default="1,2,4,8,16", help="DataLoader worker counts (default 1,2,4,8,16)"
     )
     parser.add_argument("--pieces", type=int, default=4000, help="pieces timed per worker count (4000)")
+    parser.add_argument(
+        "--batch-bytes", type=int, default=0, help="bytes a batch's pieces carry between them"
+    )
+    parser.add_argument("--bytes-as", choices=("tensor", "numpy"), default="tensor", help="how they travel")
     args = parser.parse_args(argv)
     print("| workers | CPU us a piece | wall us a piece | CPU ms a batch of 256 |")
     print("| ---: | ---: | ---: | ---: |")
     for workers in (int(part) for part in args.workers.split(",")):
-        row = measure(workers, args.pieces)
+        row = measure(workers, args.pieces, args.batch_bytes, args.bytes_as)
         print(
             f"| {workers} | {row['cpu_us_per_piece']:.0f} | {row['wall_us_per_piece']:.0f} "
             f"| {row['cpu_ms_per_batch']:.2f} |",

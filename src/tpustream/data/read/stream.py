@@ -23,7 +23,7 @@ from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.assemble import BatchSlots, SlotWriter, join_batches, portable, ring_slots
 from tpustream.data.read.augment import draw_crop_flip
-from tpustream.data.read.encoded import stream_crops
+from tpustream.data.read.encoded import SHARED_FIELDS, stream_crops
 from tpustream.data.read.memory import SplitMemory
 from tpustream.data.read.partition import pieces_hold_whole_groups
 from tpustream.data.read.plan import (
@@ -248,7 +248,7 @@ class ShardStream(IterableDataset):
                 self.pipeline(worker, workers, skip, self._reader_writer(worker, workers, skip, generation))
             )
         # A worker's piece travels inside its message, its numpy arrays pickled inline.
-        return items if info is None else map(portable, items)
+        return items if info is None else map(functools.partial(portable, shared=SHARED_FIELDS), items)
 
     def _reader_writer(
         self, role: int, workers: int, skipped: int, generation: int | None
