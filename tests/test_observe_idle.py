@@ -72,6 +72,19 @@ class FakeEvent:
         return (other.at - self.at) * 1000
 
 
+class ImmediateCopies:
+    """runtime.native._CopyStream without a GPU: each batch is ready as soon as it is placed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def place(self, place_batch, batch):
+        return place_batch(batch), None
+
+    def ready(self, moved, copied):
+        return moved
+
+
 def run_cuda_loop(monkeypatch, input_delay: float, step: float) -> tuple[InputWait, FakeStream, float]:
     """NativeRuntime's CUDA device loader over a slow source, each step queuing `step` seconds of work.
 
@@ -80,6 +93,7 @@ def run_cuda_loop(monkeypatch, input_delay: float, step: float) -> tuple[InputWa
     stream = FakeStream()
     monkeypatch.setattr(native, "_recorded_event", lambda: FakeEvent(stream))
     monkeypatch.setattr(native, "_to_device", lambda batch, device: batch)  # no GPU here
+    monkeypatch.setattr(native, "_CopyStream", ImmediateCopies)  # nor a copy stream
     runtime = native.NativeRuntime(0, 1, 0, torch.device("cuda", 0))
     wait = InputWait()
     start = time.perf_counter()
