@@ -199,3 +199,65 @@ def test_native_layout_and_compile_are_refused_under_xla():
 
     with pytest.raises(ConfigError, match="accelerator.compile is the native runtime's"):
         AcceleratorConfig(compile=True).check()
+
+
+def test_a_batch_is_copied_on_its_own_stream_and_the_step_waits_for_that_copy(monkeypatch):
+    """runtime.native._CopyStream's order, with stand-in streams and events (no GPU here)."""
+    import contextlib
+
+    import torch
+
+    from tpustream.runtime import native
+
+    log: list[tuple[str, str, int]] = []
+
+    class Stream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_event(self, event) -> None:
+            log.append(("wait", self.name, event.number))
+
+    compute = Stream("compute")
+    current = [compute]
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.number = Event.made
+
+        def record(self) -> None:
+            log.append(("record", current[-1].name, self.number))
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("copy"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    copies = native._CopyStream(torch.device("cuda", 0))
+    queued_on = []
+
+    def place(batch):
+        queued_on.append(current[-1].name)
+        return batch
+
+    first = copies.place(place, {"image": torch.zeros(1)})
+    second = copies.place(place, {"image": torch.ones(1)})
+    assert queued_on == ["copy", "copy"] and current == [compute]
+    assert copies.ready(*first)["image"].item() == 0
+    assert copies.ready(*second)["image"].item() == 1
+    # Each copy's event is recorded on the copy stream; the compute stream waits for it
+    # just before the batch is handed over, and not for a later batch's copy.
+    assert log == [
+        ("record", "copy", 1),
+        ("record", "copy", 2),
+        ("wait", "compute", 1),
+        ("wait", "compute", 2),
+    ]
