@@ -232,6 +232,15 @@ def test_config_differences_name_dotted_keys_outside_the_ignored_ones():
     assert config_differences(saved, newer, defaults=schema_defaults()) == ["model.library: (unset) -> timm"]
 
 
+def test_a_run_may_continue_decoding_its_jpegs_elsewhere():
+    """data.decode=device on a GPU, continued on a TPU with data.decode=host: how input is fed, not what."""
+    from tpustream.checkpoint import RESUME_MAY_DIFFER
+
+    saved = {"data": {"decode": "device", "train_crop": "random_resized"}, "accelerator": {"device": "CUDA"}}
+    resumed = {"data": {"decode": "host", "train_crop": "random_resized"}, "accelerator": {"device": "TPU"}}
+    assert config_differences(saved, resumed, RESUME_MAY_DIFFER) == []
+
+
 def test_a_checkpoint_and_its_copies_are_serialised_once(tmp_path, monkeypatch, caplog):
     """Issue 36 (3): a new best epoch writes last.pt and copies it to best.pt, one encode for both."""
     from tpustream import checkpoint as checkpoint_module

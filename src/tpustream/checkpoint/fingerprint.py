@@ -41,6 +41,9 @@ RESUME_MAY_DIFFER = (
     "data.num_workers",
     "data.prefetch_factor",
     "data.streams",  # a resumed run keeps its checkpoint's partition
+    # Where JPEGs are decoded: the same crops either way (pixels within a level, or the host's
+    # DCT scaling); a GPU run continued on a TPU must switch to host.
+    "data.decode",
     "optim.on_epochs_change",  # acts only when epochs changes; the checkpoint keeps the schedule's phase
 )
 # Under a canonical partition batch_size may change with the shape, the global
