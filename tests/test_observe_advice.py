@@ -49,6 +49,11 @@ def test_at_the_cap_the_advice_says_what_can_help_instead_of_more_workers():
     assert "data.num_workers=15 already uses the 15 vCPU(s) this host spares a replica" in finding
     assert "more workers cannot help on this host; store fewer bytes per sample, set data.in_" in finding
     assert finding.endswith("or use a host with more vCPUs")
+    (finding,) = advise(epochs(0.29), num_workers=15, cpus=16, local_replicas=1, gpu_could_decode=True)
+    assert finding.endswith(
+        "; or let the GPU decode the JPEGs (data.decode=device: the workers then only read them "
+        "and draw the crops)"
+    )
     (finding,) = advise(epochs(0.29), num_workers=32, cpus=16, local_replicas=1)
     assert "data.num_workers=32 is more than the 15 vCPU(s)" in finding
     assert "fewer (15) may be faster" in finding

@@ -103,6 +103,7 @@ def advise(
     *,
     local_replicas: int | None = None,
     synthetic_rate: float | None = None,
+    gpu_could_decode: bool = False,
 ) -> list[str]:
     """Findings for these epoch records (metrics.jsonl lines); the run's settings when known.
 
@@ -110,6 +111,8 @@ def advise(
     them (None: unknown, e.g. read later by tpustream-report). max_workers: the
     most workers a replica may have (its canonical streams). synthetic_rate:
     samples/s of the same configuration with data.synthetic=true.
+    gpu_could_decode: the run's workers decode JPEG crops for a GPU
+    (data.decode=device would leave that to the GPU).
     """
     steady = measured(records)
     if not steady:
@@ -120,7 +123,9 @@ def advise(
     if starved is not None:
         finding, share = starved
         if share is not None:
-            finding += "; " + worker_change(num_workers, share, host, shards_per_replica, max_workers)
+            finding += "; " + worker_change(
+                num_workers, share, host, shards_per_replica, max_workers, gpu_could_decode
+            )
         findings.append(finding)
     first = records[0].get("compilations")
     later = [r for r in records[1:] if r.get("compilations") is not None and first is not None]
@@ -199,6 +204,7 @@ def worker_change(
     host: Host,
     shards_per_replica: float | None,
     max_workers: int | None,
+    gpu_could_decode: bool = False,
 ) -> str:
     """What to change for an input-bound run: more workers, within what the host and the data allow.
 
@@ -219,6 +225,12 @@ def worker_change(
                 f"({host.described()}, one kept for each replica's loop): more workers cannot help on "
                 f"this host{fewer}; store fewer bytes per sample, set data.in_memory=true if the split "
                 "fits in memory, or use a host with more vCPUs"
+                + (
+                    "; or let the GPU decode the JPEGs (data.decode=device: the workers then only read "
+                    "them and draw the crops)"
+                    if gpu_could_decode
+                    else ""
+                )
             )
         return (
             f"data.num_workers={num_workers} is the most the run's canonical streams allow a replica: "

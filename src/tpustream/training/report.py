@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tpustream import checkpoint, observe
-from tpustream.config import TrainConfig
+from tpustream.config import Decode, Device, TrainConfig, TrainCrop
 from tpustream.errors import StorageError
 from tpustream.observe.advice import advise, usable_cpus
 from tpustream.observe.chips import chip_from_accelerator_type, mfu
@@ -372,7 +372,18 @@ class EpochReporter:
         if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
             workers, cpus = self.cfg.data.num_workers, usable_cpus()
             shards, streams = self.shards_per_replica, self.max_workers
-            findings = advise(history, workers, cpus, shards, streams, local_replicas=self.local_replicas)
+            data, device = self.cfg.data, self.cfg.accelerator.device
+            # A GPU run whose workers decode JPEG crops could leave the decoding to the GPU.
+            gpu_could_decode = device == Device.CUDA and data.train_crop == TrainCrop.random_resized
+            findings = advise(
+                history,
+                workers,
+                cpus,
+                shards,
+                streams,
+                local_replicas=self.local_replicas,
+                gpu_could_decode=gpu_could_decode and data.decode == Decode.host,
+            )
             for finding in findings:
                 log.info("advice: %s", finding)
 
