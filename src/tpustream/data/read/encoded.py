@@ -34,7 +34,6 @@ from tpustream.data.read.crops import PIL_COLORSPACES, Chooser, CroppingDecoder,
 # width; window offset row, column; flip). A pixels row's plan is unused.
 CROP_COLUMNS = 10
 KIND_JPEG, KIND_PIXELS = 0, 1
-ENCODED_FIELDS = ("encoded", "encoded_size", "crop")
 # Sent by DataLoader as shared memory, not pickled inline: 3.8-5.6 ms of the receiving
 # thread's CPU a 17 MB batch instead of 11.5-17.5 ms, measured on 2 cores with 2-8 workers
 # (python -m bench.pipeline.receiving --batch-bytes 17000000 --bytes-as tensor|numpy).
@@ -85,7 +84,7 @@ def encode_crop(data: bytes, choose: Chooser, size: int, channels: int, use_dct:
 
 
 def pack_encoded(images: Sequence[EncodedImage]) -> dict[str, np.ndarray]:
-    """A batch's ENCODED_FIELDS from its samples, in order."""
+    """A batch's "encoded", "encoded_size" and "crop" from its samples, in order."""
     return {
         # A bytearray: the array is writable, as torch.from_numpy wants.
         "encoded": np.frombuffer(bytearray().join(image.data for image in images), np.uint8),
