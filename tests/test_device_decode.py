@@ -143,6 +143,28 @@ def test_nvjpeg_crops_are_close_to_the_host_paths(split):
             assert error.mean() < 2.0 and 10 * torch.log10(255**2 / (error**2).mean().clamp(min=1e-6)) > 30
 
 
+def test_a_jpeg_the_device_refuses_is_decoded_by_the_host(split, monkeypatch):
+    """nvJPEG refuses some JPEGs libjpeg-turbo reads: those are decoded on the host, not lost."""
+    from tpustream.data.read.device_decode import DeviceDecoder
+
+    expected = batches(split, "device")
+    on_device = DeviceDecoder._on_device
+    refused = []
+
+    def refusing(self, encoded):
+        if any(len(piece) % 3 == 0 for piece in encoded):  # about a third of the JPEGs
+            refused.append(len(encoded))
+            raise RuntimeError("Unknown chroma subsampling")
+        return on_device(self, encoded)
+
+    monkeypatch.setattr(DeviceDecoder, "_on_device", refusing)
+    out, filled = one_pass(split, "device")
+    assert filled == 1  # the garbage sample only, as before
+    assert refused.count(1) >= 5  # JPEGs the device refused on their own, then read by the host
+    for a, b in zip(expected, out, strict=True):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["real"], b["real"])
+
+
 def test_a_resumed_pass_decodes_the_same_images(split):
     full = batches(split, "device", 2)
     rest = batches(split, "device", 2, skip=2)

@@ -147,23 +147,41 @@ class DeviceDecoder:
     def _decode(
         self, encoded: list[torch.Tensor], places: list[int], batch: dict
     ) -> list[torch.Tensor | None]:
-        """The JPEGs decoded in one call; if that fails, one by one, None for each bad one."""
-        from torchvision.io import decode_jpeg
-
+        """The JPEGs decoded in one call; if that fails, one by one, on the host where the device
+        refuses one, None for each neither reads."""
         if not encoded:
             return []
         try:
-            return list(decode_jpeg(encoded, mode=self.mode, device=self.device))
+            return self._on_device(encoded)
         except RuntimeError:
             pass
         images: list[torch.Tensor | None] = []
         for piece, place in zip(encoded, places, strict=True):
             try:
-                images.append(decode_jpeg(piece, mode=self.mode, device=self.device))
+                images.append(self._on_device([piece])[0])
+                continue
             except RuntimeError as exc:
-                self._bad(batch, place, first_line(exc))
-                images.append(None)
+                reason = first_line(exc)
+            # What nvJPEG refuses (an unusual chroma subsampling, say) libjpeg-turbo may
+            # read: decoded by the host, then cropped on the device like the rest.
+            try:
+                images.append(self._on_host(piece).to(self.device))
+                continue
+            except RuntimeError as exc:
+                reason = f"{reason}; on the host: {first_line(exc)}"
+            self._bad(batch, place, reason)
+            images.append(None)
         return images
+
+    def _on_device(self, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torchvision.io import decode_jpeg
+
+        return list(decode_jpeg(encoded, mode=self.mode, device=self.device))
+
+    def _on_host(self, piece: torch.Tensor) -> torch.Tensor:
+        from torchvision.io import decode_jpeg
+
+        return decode_jpeg(piece, mode=self.mode)
 
     def _bad(self, batch: dict, place: int, reason: str) -> None:
         sample_id = int(batch["sample_id"][place])
