@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import run_train
+from tpustream.checkpoint.local_tier import local_checkpoint_url
 from tpustream.errors import ConfigError
 from tpustream.launch import prepare
 
@@ -633,3 +635,19 @@ def test_a_run_that_never_evaluates_starts_no_validation_workers():
     assert validation_data(tiny_config("unused", eval_every=2, **{"data.num_workers": 3})).num_workers == 3
     evaluating = tiny_config("unused", eval_every=0, eval_only=True, **{"data.num_workers": 3})
     assert validation_data(evaluating).num_workers == 3
+
+
+def test_a_run_deletes_what_saves_killed_mid_write_left_and_nothing_else(prepared, tmp_path, caplog):
+    """A SIGKILL between a save's temporary write and its rename leaves the temporary (up to a
+    checkpoint's size): the next start in the folder deletes it, in checkpoint.local_dir's copy too."""
+    out, local = tmp_path / "run", tmp_path / "local"
+    stale = [out / "checkpoints" / ".last.pt.0123456789ab.tmp", out / ".metrics.jsonl.00112233aabb.tmp"]
+    mirror = Path(local_checkpoint_url(str(local), str(out))).parent
+    stale.append(mirror / ".last.pt.a1b2c3d4e5f6.tmp")
+    kept = [out / "checkpoints" / "notes.tmp", mirror / "last.pt.bak"]
+    for path in stale + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    prepared(f"output_dir={out}", f"checkpoint.local_dir={local}")
+    assert not any(path.exists() for path in stale) and all(path.exists() for path in kept)
+    assert caplog.text.count("which a write killed before it finished left behind") == 3

@@ -54,6 +54,21 @@ def test_exists(root):
     assert not storage.exists(storage.join(root, "b.txt"))
 
 
+def test_interrupted_writes_are_the_temporary_objects_a_killed_write_leaves(root):
+    """Only the names a write of this scheme makes for itself, not files that merely look alike."""
+    assert storage.interrupted_writes(root) == []  # nothing written there yet
+    storage.write_bytes_verified(storage.join(root, "last.pt"), b"whole")  # leaves nothing
+    storage.write_bytes(storage.join(root, "notes.tmp"), b"the user's")
+    storage.write_bytes(storage.join(root, ".hidden"), b"the user's")
+    left = ".last.pt.0123456789ab.tmp" if not storage.is_gcs(root) else "last.pt.tmp-0123456789ab"
+    if storage.is_gcs(root):
+        bucket, name = gcs.split_gcs_url(root)
+        gcs.gcs_client().bucket(bucket).blob(f"{name}/{left}").upload_from_string(b"half")
+    else:
+        Path(root, left).write_bytes(b"half")
+    assert storage.interrupted_writes(root) == [storage.join(root, left)]
+
+
 def test_list_names_direct_children_sorted(root):
     for name in ("b.tar", "sub/c.tar", "a.json", "sub/deeper/d.tar", "a.tar"):
         storage.write_bytes(storage.join(root, name), name.encode())

@@ -41,6 +41,7 @@ from tpustream.launch.resume_checks import (
     check_resume_config,
     check_resume_fits,
     check_schedule_horizon,
+    clear_interrupted_writes,
 )
 from tpustream.launch.run_model import meta_model
 from tpustream.launch.synthetic import synthetic_splits
@@ -184,6 +185,8 @@ def continued_from(typed: TrainConfig, plain: dict[str, Any], train: ShardManife
 
     data.num_workers=auto is resolved here too: a mid-epoch checkpoint's count wins.
     """
+    if not typed.eval_only:
+        clear_interrupted_writes(typed)
     # A synthetic run never continues one: it starts fresh (check_fresh_start guards the folder).
     resume = None if typed.data.synthetic else find_resume(typed.resume, typed.output_dir)
     if not typed.data.synthetic and typed.resume not in (None, "", OVERWRITE_RESUME):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tpustream import checkpoint
+from tpustream import checkpoint, storage
 from tpustream.checkpoint import (
     FORCE_RESUME,
     OVERWRITE_RESUME,
@@ -20,7 +20,7 @@ from tpustream.checkpoint import (
     read_metrics,
     schema_defaults,
 )
-from tpustream.checkpoint.local_tier import delete_local_copies
+from tpustream.checkpoint.local_tier import delete_local_copies, local_checkpoint_url
 from tpustream.config import BestOf, EpochsChange, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
@@ -95,6 +95,28 @@ def forget_local_copies(cfg: TrainConfig) -> None:
     """A fresh start in output_dir: its copies under checkpoint.local_dir are an older run's: deleted."""
     for url in delete_local_copies(cfg.checkpoint.local_dir, cfg.output_dir):
         log.warning("a fresh start in %s: deleted the earlier run's local copy %s", cfg.output_dir, url)
+
+
+def clear_interrupted_writes(cfg: TrainConfig) -> list[str]:
+    """Delete what writes killed before they finished left in the run's folders; their URLs.
+
+    A process killed with SIGKILL mid-save (the OOM killer, a preempted VM)
+    leaves its temporary object (gs://.../last.pt.tmp-*, a local
+    .last.pt.*.tmp) up to a checkpoint's size, in the run folder, its
+    checkpoints folder or checkpoint.local_dir's copy; nothing else ever
+    removes it. At start no write of this run is in flight.
+    """
+    last = checkpoint.checkpoint_url(cfg.output_dir, checkpoint.LAST)
+    folders = [cfg.output_dir, storage.dirname(last)]
+    if cfg.checkpoint.local_dir:
+        folders.append(storage.dirname(local_checkpoint_url(cfg.checkpoint.local_dir, cfg.output_dir)))
+    deleted = []
+    for folder in folders:
+        for url in storage.interrupted_writes(folder):
+            if storage.delete(url):
+                log.warning("deleted %s, which a write killed before it finished left behind", url)
+                deleted.append(url)
+    return deleted
 
 
 def check_not_finished(cfg: TrainConfig, resume: ResumePoint) -> str | None:

@@ -32,6 +32,7 @@ __all__ = [
     "find_scheme",
     "has_neighbours",
     "has_same_content",
+    "interrupted_writes",
     "is_gcs",
     "join",
     "check_container",
@@ -170,6 +171,19 @@ def copy(source: str, url: str) -> None:
 def delete(url: str) -> bool:
     """Remove a file or object; False if it was not there."""
     return find_scheme(url).delete(url)
+
+
+def interrupted_writes(folder_url: str) -> list[str]:
+    """URLs of the temporary objects in folder_url that writes killed before their rename or copy left.
+
+    Ours by name (each scheme's is_temporary), never removed by the write
+    that made them: a process killed with SIGKILL (the OOM killer, a
+    preempted VM) leaves them, up to a checkpoint's size each.
+    """
+    scheme = find_scheme(folder_url)
+    if scheme is local and not os.path.isdir(local.path_of(folder_url)):
+        return []  # nothing was written there yet (a bucket's prefix lists empty instead)
+    return [join(folder_url, name) for name in scheme.list_names(folder_url) if scheme.is_temporary(name)]
 
 
 def check_container(url: str) -> None:

@@ -6,6 +6,7 @@ import base64
 import contextlib
 import io
 import os
+import re
 import threading
 import uuid
 from typing import BinaryIO
@@ -218,6 +219,14 @@ def write_bytes(url: str, data: bytes) -> None:
         blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=gcs_retry())
     except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
+
+
+# write_bytes_verified's temporary objects: "<name>.tmp-<12 hex digits>".
+_TEMPORARY = re.compile(r"^.+\.tmp-[0-9a-f]{12}$")
+
+
+def is_temporary(name: str) -> bool:
+    return bool(_TEMPORARY.match(name))
 
 
 def write_bytes_verified(url: str, data: bytes) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat as stat_mode
 import uuid
@@ -70,12 +71,27 @@ def stat(url: str) -> ObjectStat:
     return ObjectStat(size=info.st_size, version=f"{info.st_ino}-{info.st_mtime_ns}")
 
 
+# write_bytes's and copy's temporary names: ".<name>.<12 hex digits>.tmp".
+_TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
+
+
+def temporary_name(path: str) -> str:
+    """A temporary path beside `path`, for a write finished by a rename."""
+    return os.path.join(
+        os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp"
+    )
+
+
+def is_temporary(name: str) -> bool:
+    return bool(_TEMPORARY.match(name))
+
+
 def write_bytes(url: str, data: bytes) -> None:
     """Write through a temporary file in the same folder and a rename, so that
     readers see either the old content or all of the new."""
     path = path_of(url)
     folder = os.path.dirname(path) or "."
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = temporary_name(path)
     try:
         os.makedirs(folder, exist_ok=True)
         # os.open with 0o666 applies the umask (mkstemp would force 0600).
@@ -109,7 +125,7 @@ def copy(source: str, url: str) -> None:
     """
     path = path_of(url)
     folder = os.path.dirname(path) or "."
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = temporary_name(path)
     try:
         os.makedirs(folder, exist_ok=True)
         try:

@@ -198,3 +198,7 @@ def make_container(url: str) -> None:
 
 def check_container(url: str) -> None:
     raise _refuse_write(url)
+
+
+def is_temporary(name: str) -> bool:
+    return False  # nothing is written through these schemes

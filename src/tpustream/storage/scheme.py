@@ -42,6 +42,9 @@ class Scheme(Protocol):
 
     def delete(self, url: str) -> bool: ...
 
+    def is_temporary(self, name: str) -> bool:
+        """Whether a name in a folder is one of this scheme's atomic writes' temporary objects."""
+
     def has_same_content(self, url: str, data: bytes) -> bool: ...
 
     def make_container(self, url: str) -> None:
