@@ -21,7 +21,7 @@ nvJPEG has no DCT-domain downscaling: each JPEG is decoded at full size. The
 host path decodes at 1/2, 1/4 or 1/8 scale where the crop is shrunk at least
 that much, so its pixels differ slightly from these where it did; with
 ``use_dct=False`` it matches these within the rounding of the resample
-(tests/test_data_read_device_decode.py).
+(tests/test_device_decode.py).
 """
 
 from __future__ import annotations
