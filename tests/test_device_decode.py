@@ -8,6 +8,7 @@ its IDCT's rounding (not measurable without one).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -72,6 +73,12 @@ def bad_split(tmp_path_factory, photo):
     return write_split(tmp_path_factory.mktemp("device") / "bad", photo, truncate=TRUNCATED, garbage=None)
 
 
+class Pass(NamedTuple):
+    batches: list[dict]
+    filled: int  # real samples bad data took out
+    sample_ids: np.ndarray  # of the real samples trained on (the exactness audit's)
+
+
 def one_pass(
     split,
     decode: str,
@@ -81,8 +88,8 @@ def one_pass(
     device: str = "cpu",
     skip: int = 0,
     **data,
-) -> tuple[list, int]:
-    """An epoch's batches and the real samples bad data took out of it (the loader's "filled")."""
+) -> Pass:
+    """An epoch through make_loader: its batches, its "filled" and its real samples' ids."""
     stream = make_stream(
         split,
         batch_size=8,
@@ -104,11 +111,11 @@ def one_pass(
     out = list(loader)
     loader.raise_if_incomplete("train")
     loader.close()
-    return out, loader.filled
+    return Pass(out, loader.filled, np.concatenate(loader.sample_ids))
 
 
 def batches(*args, **kwargs) -> list[dict]:
-    return one_pass(*args, **kwargs)[0]
+    return one_pass(*args, **kwargs).batches
 
 
 @pytest.mark.parametrize(
@@ -118,8 +125,8 @@ def test_device_decoding_gives_the_host_paths_crops_within_rounding(split, worke
     """The same windows and flips (drawn by the workers) and pixels within one level, train and eval;
     a sample no decoder reads is left out and its place filled the same way."""
     for train in (True, False):
-        host, host_filled = one_pass(split, "host", workers, train, partition if train else None)
-        device, filled = one_pass(split, "device", workers, train, partition if train else None)
+        host, host_filled, _ = one_pass(split, "host", workers, train, partition if train else None)
+        device, filled, _ = one_pass(split, "device", workers, train, partition if train else None)
         assert len(host) == len(device) == 5 and filled == host_filled == 1
         for a, b in zip(host, device, strict=True):
             assert set(a) == set(b)
@@ -158,11 +165,27 @@ def test_a_jpeg_the_device_refuses_is_decoded_by_the_host(split, monkeypatch):
         return on_device(self, encoded)
 
     monkeypatch.setattr(DeviceDecoder, "_on_device", refusing)
-    out, filled = one_pass(split, "device")
+    out, filled, _ = one_pass(split, "device")
     assert filled == 1  # the garbage sample only, as before
     assert refused.count(1) >= 5  # JPEGs the device refused on their own, then read by the host
     for a, b in zip(expected, out, strict=True):
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["real"], b["real"])
+
+
+def test_every_sample_is_trained_on_once_an_epoch_whoever_decodes_it(split):
+    """The exactness audit's ids (debug.sample_log_dir): each readable sample once, on both paths."""
+    from tpustream.data.read.stages import SHARD_ID_SHIFT
+
+    readable = {
+        (shard << SHARD_ID_SHIFT) | index
+        for shard in range(3)
+        for index in range(12)
+        if shard * 12 + index != GARBAGE
+    }
+    partition = CanonicalPartition(streams=4, stream_buffer=8)
+    for decode in ("host", "device"):
+        ids = one_pass(split, decode, 2, True, partition).sample_ids.tolist()
+        assert sorted(ids) == sorted(readable), decode
 
 
 def test_a_resumed_pass_decodes_the_same_images(split):
@@ -210,14 +233,14 @@ def test_a_header_read_twice_draws_one_crop(photo):
 
 def test_a_jpeg_the_device_cannot_decode_is_bad_data_in_its_place(bad_split):
     """skip: its place zeros and not real, counted as filled; raise: one line naming shard and sample."""
-    out, filled = one_pass(bad_split, "device", workers=2)
+    out, filled, _ = one_pass(bad_split, "device", workers=2)
     assert filled == 1
     flat_real = torch.cat([b["real"] for b in out])
     flat_images = torch.cat([b["image"] for b in out])
     blank = (flat_images == 0).flatten(1).all(1)  # the 4 other places not real are padding
     assert int(blank.sum()) == 1 and flat_real[blank].item() == 0
     # The host path skips it in the worker: the same count, another place.
-    host, filled = one_pass(bad_split, "host", workers=0)
+    host, filled, _ = one_pass(bad_split, "host", workers=0)
     assert filled == 1 and sum(int(b["real"].sum()) for b in host) == 35
     with pytest.raises(
         DataError, match=rf"train-000001\.tar, its sample at index {TRUNCATED - 12}: cannot decode"
