@@ -188,6 +188,21 @@ def test_every_sample_is_trained_on_once_an_epoch_whoever_decodes_it(split):
         assert sorted(ids) == sorted(readable), decode
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_the_device_augmentations_draws_come_with_the_decoded_batch(split):
+    """Mixup and erasing draws by sample id; pieces of 2 splitting a group of 4 get them in the replica."""
+    from tpustream.config import AugmentConfig
+
+    options = dict(augment=AugmentConfig(mixup_alpha=0.8, erase_prob=0.5), augment_group=4)
+    partition = CanonicalPartition(streams=4, stream_buffer=8)
+    whole = batches(split, "device", 0, True, partition, **options)
+    pieces = batches(split, "device", 3, True, partition, **options)  # 2, 1 and 1 streams of 2
+    for a, b in zip(whole, pieces, strict=True):
+        assert "mix_lam" in b and "erase_box" in b and a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
 def test_a_resumed_pass_decodes_the_same_images(split):
     full = batches(split, "device", 2)
     rest = batches(split, "device", 2, skip=2)
