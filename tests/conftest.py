@@ -408,3 +408,19 @@ def make_stream(manifest, **options):
     }
     data = dataclasses.replace(DataConfig(), **{"shuffle_buffer": 0, **options})
     return ShardStream(manifest, data, **extras, **arguments)
+
+
+def crop_stream(split, workers: int, train: bool, **options):
+    """One replica's ShardStream of random-resized crops: batch 8, seed 3, shuffle buffer 16."""
+    return make_stream(
+        split,
+        batch_size=8,
+        rank=0,
+        world_size=1,
+        num_workers=workers,
+        train=train,
+        seed=3,
+        shuffle_buffer=16,
+        train_crop="random_resized",
+        **options,
+    )

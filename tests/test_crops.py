@@ -12,8 +12,8 @@ from scipy import stats
 from torchvision import transforms
 from torchvision.transforms import v2
 
+from tests.conftest import crop_stream, write_tar
 from tests.conftest import encode_image as encode
-from tests.conftest import make_stream, write_tar
 from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.read.crops import (
     CroppingDecoder,
@@ -180,17 +180,7 @@ def test_random_resized_resume_mid_epoch_is_bitwise(variable_jpeg_split, workers
     )
 
     def batches(epoch: int, skip: int = 0, train: bool = True) -> list[dict[str, torch.Tensor]]:
-        stream = make_stream(
-            split,
-            batch_size=8,
-            rank=0,
-            world_size=1,
-            num_workers=workers,
-            train=train,
-            seed=3,
-            shuffle_buffer=16,
-            train_crop="random_resized",
-        )
+        stream = crop_stream(split, workers, train)
         stream.set_epoch(epoch, skip_batches=skip)
         loader = make_loader(stream, workers)
         out = list(loader)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import encode_image, make_stream, write_tar
+from tests.conftest import crop_stream, encode_image, make_stream, write_tar
 from tpustream.config import DataConfig
 from tpustream.data.read.encoded import CROP_COLUMNS, KIND_JPEG, KIND_PIXELS, encode_crop
 from tpustream.data.read.loader import make_loader
@@ -90,20 +90,7 @@ def one_pass(
     **data,
 ) -> Pass:
     """An epoch through make_loader: its batches, its "filled" and its real samples' ids."""
-    stream = make_stream(
-        split,
-        batch_size=8,
-        rank=0,
-        world_size=1,
-        num_workers=workers,
-        train=train,
-        seed=3,
-        shuffle_buffer=16,
-        train_crop="random_resized",
-        decode=decode,
-        partition=partition,
-        **data,
-    )
+    stream = crop_stream(split, workers, train, decode=decode, partition=partition, **data)
     # The host path decoding at full size, as nvJPEG does (no DCT-domain scale-down).
     stream.crops = dataclasses.replace(stream.crops, use_dct=False)
     stream.set_epoch(2, skip_batches=skip)
