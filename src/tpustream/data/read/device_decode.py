@@ -13,9 +13,10 @@ On a GPU the work runs on a stream of its own, on the loader's receiving
 thread, a couple of batches ahead of the step: torchvision's decode waits
 for its result on the host (without the GIL), and the crops' small kernels
 can overlap the step's. The batch is handed over only when its images are
-complete, so the training stream needs no wait on ours; each image is
-recorded as used by the training stream, so its memory is not reused while
-a step reads it.
+complete, so the training stream needs no wait on ours; the native runtime
+records every GPU tensor of a batch as used by the streams that read it
+(runtime.native._CopyStream), so an image's memory is not reused while a
+step reads it.
 
 nvJPEG has no DCT-domain downscaling: each JPEG is decoded at full size. The
 host path decodes at 1/2, 1/4 or 1/8 scale where the crop is shrunk at least
@@ -89,9 +90,6 @@ class DeviceDecoder:
             return batch
         with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream()):
             images = self._images(batch, data, sizes, crops)
-            # The step reads the images on the training (default) stream: their
-            # memory must not go back to this stream's pool before it has.
-            images.record_stream(torch.cuda.default_stream(self.device))
             done = torch.cuda.Event()
             done.record()
         done.synchronize()  # complete before the training thread sees them: no cross-stream wait
