@@ -371,6 +371,23 @@ def test_decoder_checks_its_config_and_pickles():
     assert copy(sample)[1] == 4
 
 
+def test_an_unpickled_decoder_registers_torchvisions_ops_itself():
+    """A worker forked from a fork server without our preload (one other code started first) decodes."""
+    jpeg = encode(noise("RGB"), "jpg")
+    payload = pickle.dumps((decoder(), {"jpg": jpeg, "cls": b"2"}))
+    probe = (
+        "import pickle, sys\n"
+        "decoder, sample = pickle.loads(sys.stdin.buffer.read())\n"
+        "image, label = decoder(sample)\n"
+        "print(tuple(image.shape), label, decoder._routes['jpg'])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], input=payload, capture_output=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert result.stdout.decode().split() == ["(3,", f"{HEIGHT},", f"{WIDTH})", "2", "torchvision"]
+
+
 @pytest.mark.parametrize("mode, field", [("RGB", "ppm"), ("L", "pgm")])
 @pytest.mark.parametrize("channels", [1, 3])
 def test_binary_pnm_is_read_directly_exactly_as_pil_converts_it(mode, field, channels):

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from tpustream.data.read.loader import worker_context
+
 BATCH = 256
 WARM_UP = 200
 
@@ -69,7 +71,7 @@ def measure(workers: int, pieces: int, batch_bytes: int = 0, bytes_as: str = "te
         num_workers=workers,
         prefetch_factor=4,
         persistent_workers=True,
-        multiprocessing_context="forkserver",
+        multiprocessing_context=worker_context(),  # the loader's own fork server, preload included
     )
     items = iter(loader)
     for _ in range(WARM_UP):

@@ -234,6 +234,15 @@ class ImageDecoder:
             mode = modes.RGB if self.channels == 3 else modes.GRAY
             object.__setattr__(self, "_read_mode", mode.value)
 
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled in a DataLoader worker, __post_init__ does not run: the
+        # op torchvision.io registers must be imported here, not left to the
+        # fork server's preload (a server some other code started first, in
+        # the same process, has none; seen in CI).
+        self.__dict__.update(state)
+        if self.fast:
+            _read_modes()
+
     def _route(self, field: str) -> str:
         route = _route_image(field, self.channels)
         return _PIL if route == _FAST and not self.fast else route
