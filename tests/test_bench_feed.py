@@ -29,7 +29,16 @@ def test_defaults_are_the_headline_and_quick_changes_only_what_it_names():
     assert cli.parse_args(["--workers", ""]).workers == []  # no tpustream rows
 
 
-@pytest.mark.parametrize("argv", [["--epochs", "1"], ["--workers", "8,x"], ["--stock-workers", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--epochs", "1"],
+        ["--workers", "8,x"],
+        ["--stock-workers", "0"],
+        ["--trace-steps", "5,5"],
+        ["--trace-steps", "40,51"],  # 13,000 images of 256: epoch 0 ends at step 50
+    ],
+)
 def test_settings_that_cannot_give_a_rate_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
@@ -59,6 +68,13 @@ def test_rows_run_synthetic_then_tpustream_then_stock_with_the_same_step(tmp_pat
     ):
         assert option in stock
     assert f"--shards={tmp_path / 'data' / 'train'}" in stock and stock[1:3] == ["-m", "bench.feed.stock"]
+
+
+def test_trace_steps_trace_every_train_py_row_inside_epoch_0(tmp_path):
+    planned = rows.plan_rows(cli.parse_args(["--trace-steps", "40,50"]), tmp_path, tmp_path / "runs", 1000)
+    assert [("debug.profile_steps=[40,50]" in r.command) for r in planned] == [True] * 4 + [False]
+    untraced = rows.plan_rows(cli.parse_args([]), tmp_path, tmp_path / "runs", 1000)
+    assert not any("debug.profile_steps" in part for r in untraced for part in r.command)
 
 
 def test_dry_run_prints_every_command_and_makes_nothing(tmp_path, capsys):

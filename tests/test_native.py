@@ -7,6 +7,8 @@ without it (a GPU machine). Checkpoints cross to and from the XLA CPU device.
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
 from collections import Counter
@@ -54,14 +56,20 @@ def native(root: str, out: str, hydra_dir: str, *more: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def straight(digits_root, tmp_path_factory, no_torch_xla) -> Path:
-    """3 epochs uninterrupted on 2 native replicas, every sample logged, replicas compared every step."""
+    """3 epochs uninterrupted on 2 native replicas, every sample logged, replicas compared every step.
+
+    Global steps 3-5 and epoch 1's evaluation are traced (torch.profiler), which changes no number.
+    """
     out = tmp_path_factory.mktemp("native_straight")
     result = run_train(
         *native(digits_root, str(out / "run"), str(out / "h")),
         f"debug.sample_log_dir={out / 'samples'}",
         "debug.check_sync_every=1",
+        "debug.profile_steps=[2,5]",
+        "debug.profile_eval_epoch=1",
         env=no_torch_xla,
     )
+    (out / "log.txt").write_text(result.stderr)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "launching CPU without XLA, 2 replica process(es) (gloo)" in result.stdout + result.stderr
     assert re.search(r"\[replica 1/2\] INFO tpustream.launch.replica: replica 1 of 2 on cpu", result.stderr)
@@ -84,6 +92,33 @@ def test_two_native_replicas_see_every_sample_once_in_equal_steps_and_learn(digi
     assert all(m["compilations"] == 0 for m in history)  # eager: nothing to compile
     # It learns (57% here after 36 steps of 128 samples; chance is 10%).
     assert max(m["val_accuracy"] for m in history) >= 0.35, history
+
+
+def trace_events(folder: Path) -> list[dict]:
+    """The events of the one torch.profiler trace in folder (a gzipped Chrome trace)."""
+    (trace,) = folder.glob("*.pt.trace.json.gz")
+    with gzip.open(trace, "rt") as handle:
+        return json.load(handle)["traceEvents"]
+
+
+def test_debug_profile_steps_traces_those_steps_and_their_input_waits_with_torch_profiler(straight):
+    tensorboard = straight / "run" / "tensorboard"
+    events = trace_events(tensorboard / "profile-steps-2-5")
+    names = Counter(event.get("name") for event in events)
+    assert {name for name in names if name.startswith("train step")} == {f"train step {s}" for s in (3, 4, 5)}
+    assert names["input wait"] == 3  # the training thread's wait for each step's batch, marked
+    assert names["aten::convolution"] >= 3  # forward, on the training thread
+    assert names["autograd::engine::evaluate_function: ConvolutionBackward0"] >= 3  # autograd's thread
+    steps = [e for e in events if e.get("name", "").startswith("train step")]
+    waits = [e for e in events if e.get("name") == "input wait"]
+    # Each wait lies inside its step's mark: the mark runs from one step's end to the next one's.
+    for s in steps:
+        assert sum(s["ts"] <= w["ts"] and w["ts"] + w["dur"] <= s["ts"] + s["dur"] for w in waits) == 1
+    evaluation = Counter(event.get("name") for event in trace_events(tensorboard / "profile-eval-epoch-1"))
+    assert evaluation["aten::convolution"] >= 1
+    assert not any(str(name).startswith("train step") for name in evaluation)
+    log = (straight / "log.txt").read_text()
+    assert f"torch trace of global steps 3 to 5 in {tensorboard / 'profile-steps-2-5'} (Perfetto" in log
 
 
 def test_fsdp2_stops_with_last_pt_exits_75_and_resumes_bitwise_on_the_ddp_trajectory(

@@ -62,6 +62,17 @@ def worker_counts(text: str) -> list[int]:
     return counts
 
 
+def trace_window(text: str) -> list[int]:
+    """--trace-steps "START,END" as debug.profile_steps takes it: 1 <= START < END."""
+    try:
+        start, end = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: START,END, two global steps") from None
+    if not 1 <= start < end:
+        raise argparse.ArgumentTypeError(f"{text!r}: 1 <= START < END")
+    return [start, end]
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.feed",
@@ -93,6 +104,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     add("--stock-workers", type=worker_counts, help='stock rows\' WebLoader workers ("15"; quick "1")')
     add("--row-timeout", type=float, help="seconds each row may run (150; quick 120)")
+    add(
+        "--trace-steps",
+        type=trace_window,
+        help="START,END: train.py rows trace global steps START+1..END (debug.profile_steps) into "
+        "their run folder's tensorboard/; inside epoch 0, which the rate leaves out",
+    )
     add("--dry-run", action="store_true", help="print the commands; make and run nothing")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
@@ -102,6 +119,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--epochs must be at least 2 (epoch 0 is left out of the rate)")
     if min(args.num_images, args.val_images, args.samples_per_shard, args.num_classes, args.batch_size) < 1:
         parser.error("image counts, --samples-per-shard, --num-classes and --batch-size must be at least 1")
+    if args.trace_steps and args.trace_steps[1] > args.num_images // args.batch_size:
+        parser.error(
+            f"--trace-steps {args.trace_steps}: the window must end in epoch 0 "
+            f"(step {args.num_images // args.batch_size} at most), which the rate leaves out"
+        )
     if args.data is None:
         args.data = DATA_ROOT / ("quick" if args.quick else f"{args.num_images}-images")
     return args

@@ -71,6 +71,8 @@ def plan_rows(args: Any, root: Path, runs: Path, num_classes: int) -> list[Row]:
     """synthetic, tpustream per --workers, tpustream decoding on the device per --device-workers,
     then stock per --stock-workers, in the order they run."""
     common = train_overrides(args, root)
+    if getattr(args, "trace_steps", None):
+        common.append(f"debug.profile_steps=[{args.trace_steps[0]},{args.trace_steps[1]}]")
     rows = [
         Row(
             "synthetic",

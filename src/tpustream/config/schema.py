@@ -270,10 +270,11 @@ class DebugConfig:
     metrics: bool = False
     # Start the torch_xla profiler server on this port + local ordinal (0 = off).
     profiler_port: int = 0
-    # Capture an XLA trace from global step START to END ([START, END], START >= 1: the
-    # END - START steps after the first START) into <output_dir>/tensorboard/ for
-    # TensorBoard's profile plugin / XProf; [] = off. profile_eval_epoch: the same for
-    # the evaluation after that epoch (-1 = off). Master only unless profile_all_replicas.
+    # Capture a trace from global step START to END ([START, END], START >= 1: the
+    # END - START steps after the first START) into <output_dir>/tensorboard/: XLA's for
+    # TensorBoard's profile plugin / XProf, or on accelerator.runtime=native torch.profiler's
+    # for Perfetto; [] = off. profile_eval_epoch: the same for the evaluation after that
+    # epoch (-1 = off). Master only unless profile_all_replicas.
     profile_steps: list[int] = field(default_factory=list)
     profile_eval_epoch: int = -1
     profile_all_replicas: bool = False

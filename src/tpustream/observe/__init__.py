@@ -2,7 +2,7 @@
 
 - ``tensorboard``: scalars under ``<output_dir>/tensorboard/`` (uploaded for gs://);
 - ``xla``: compile/transfer/fallback metrics and recompile watches;
-- ``profiler``: the XLA profiler server per replica, traces captured on demand;
+- ``profiler``: the XLA profiler server per replica, traces (XLA or torch.profiler) captured on demand;
 - ``flops``: the model's FLOPs per training sample, counted once on the meta device;
 - ``chips``: TPU peak FLOP/s per chip and model FLOPs utilisation (MFU);
 - ``timing``: where an epoch's time goes (input wait, compile, step, saving).
@@ -11,7 +11,7 @@ Nothing here may stop a run. There is no module-level mutable state: on TPU
 v2/v3 replicas are threads of one process, and each builds its own objects.
 """
 
-from tpustream.observe.profiler import TraceCapture, start_profiler
+from tpustream.observe.profiler import TorchTraceCapture, TraceCapture, start_profiler
 from tpustream.observe.tensorboard import NullTensorBoardLog, TensorBoardLog
 from tpustream.observe.xla import (
     RecompileWatch,
@@ -26,6 +26,7 @@ __all__ = [
     "NullTensorBoardLog",
     "RecompileWatch",
     "TensorBoardLog",
+    "TorchTraceCapture",
     "TraceCapture",
     "XlaMetrics",
     "compilation_count",

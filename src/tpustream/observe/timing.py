@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 
 class StepGaps(Protocol):
     """A device loader's record of the device's gaps between steps (observe.idle)."""
@@ -53,12 +55,21 @@ class InputWait:
 
 
 def timed(batches: Iterable, wait: InputWait | None) -> Iterator:
-    """batches, with the time each one took to arrive added to wait (loaders without a queue of their own)."""
+    """batches, with the time each one took to arrive added to wait (loaders without a queue of their own).
+
+    Under torch.profiler (the native runtime's debug.profile_steps) each wait
+    is marked "input wait" in the trace; otherwise nothing is recorded (a
+    record_function costs about 13 us even with no profiler on).
+    """
     iterator = iter(batches)
     while True:
         start = time.perf_counter()
         try:
-            batch = next(iterator)
+            if torch.autograd._profiler_enabled():
+                with torch.profiler.record_function("input wait"):
+                    batch = next(iterator)
+            else:
+                batch = next(iterator)
         except StopIteration:
             return
         if wait is not None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from tpustream.observe.profiler import TraceCapture
 from tpustream.observe.timing import InputWait
 from tpustream.runtime.host import count_tpu_chips, current_replica, host_chip, tpu_accelerator_type
 from tpustream.runtime.staging import HostStaging
@@ -113,6 +114,9 @@ class Runtime(Protocol):
 
     def compile_seconds(self) -> float:
         """Seconds spent compiling so far in this process."""
+
+    def trace_capture(self, output_dir: str, name: str) -> TraceCapture:
+        """A trace of part of the run, under output_dir's tensorboard/name (debug.profile_*), not started."""
 
 
 from tpustream.runtime.device import to_host  # noqa: E402

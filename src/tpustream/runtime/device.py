@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tpustream.observe.profiler import TraceCapture
 from tpustream.observe.timing import InputWait
 from tpustream.observe.xla import compilation_count, compile_seconds
 from tpustream.runtime.resident import is_resident, resident_batches
@@ -266,6 +267,9 @@ class XlaDevice:
 
     def compilations(self) -> int:
         return compilation_count()
+
+    def trace_capture(self, output_dir: str, name: str) -> TraceCapture:
+        return TraceCapture(output_dir, name)
 
     def compile_seconds(self) -> float:
         return compile_seconds()

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from tpustream.observe.idle import EventGaps, SynchronousGaps
+from tpustream.observe.profiler import TorchTraceCapture
 from tpustream.observe.timing import InputWait, timed
 from tpustream.runtime.device import map_tensors, to_host
 from tpustream.runtime.gloo import HostCollectives, average_flat
@@ -260,6 +261,9 @@ class NativeRuntime(HostCollectives):
 
     def compilations(self) -> int:
         return 0  # eager: nothing is compiled
+
+    def trace_capture(self, output_dir: str, name: str) -> TorchTraceCapture:
+        return TorchTraceCapture(output_dir, name, cuda=self.device.type == "cuda")
 
     def compile_seconds(self) -> float:
         return 0.0

@@ -3,7 +3,7 @@
 Recompilations (debug.metrics), replicas that drifted apart
 (debug.check_sync_every), the samples each replica trained on
 (debug.sample_log_dir), a stop request at a chosen step (debug.stop_at_step),
-and XLA traces of chosen steps or an evaluation (debug.profile_*).
+and traces of chosen steps or an evaluation (debug.profile_*: XLA's or torch.profiler's, by runtime).
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ from tpustream.training.periodic import itstime
 # they did before training/ was split (tests and the docs match it).
 log = logging.getLogger("tpustream.training")
 
+# What reads each runtime's traces (observe.profiler).
+READERS = {
+    "XLA": "TensorBoard's profile plugin",
+    "torch": "Perfetto at ui.perfetto.dev, or chrome://tracing",
+}
+
 
 class DebugChecks:
     """One replica's debug checks; the trainer calls them at its step and epoch boundaries."""
@@ -37,21 +43,21 @@ class DebugChecks:
         self.trace: observe.TraceCapture | None = None
         self.profiling = cfg.profile_all_replicas or runtime.is_master
 
-    # -- debug.profile_steps / profile_eval_epoch: XLA traces -------------------
+    # -- debug.profile_steps / profile_eval_epoch: traces -------------------------
     def _start_trace(self, name: str) -> None:
         if self.cfg.profile_all_replicas:
             name = f"{name}/replica-{self.runtime.rank:03d}"
-        self.trace = observe.TraceCapture(self.output_dir, name)
+        self.trace = self.runtime.trace_capture(self.output_dir, name)
         self.trace.start()
 
     def _stop_trace(self, what: str) -> None:
         if self.trace is None:
             return
         self.runtime.wait_device_ops()  # the window's device work belongs in its trace
-        where = self.trace.stop()
-        self.trace = None
+        trace, self.trace = self.trace, None
+        where = trace.stop()
         if where is not None:
-            log.info("XLA trace of %s in %s (TensorBoard's profile plugin)", what, where)
+            log.info("%s trace of %s in %s (%s)", trace.kind, what, where, READERS[trace.kind])
 
     @contextlib.contextmanager
     def profiling_evaluation(self, epoch: int, name: str):
@@ -81,6 +87,8 @@ class DebugChecks:
                 self._start_trace(f"profile-steps-{start}-{end}")
             elif global_step == end:
                 self._stop_trace(f"global steps {start + 1} to {end}")
+            if start <= global_step < end and self.trace is not None:
+                self.trace.mark_step(global_step + 1)
         if global_step == self.cfg.stop_at_step:
             preemption.request_stop()
         if itstime(global_step, self.cfg.check_sync_every):
