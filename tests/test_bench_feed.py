@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+import sys
 import tarfile
 from pathlib import Path
 
@@ -160,3 +163,18 @@ def test_shards_cover_each_split_once_and_hold_jpegs_with_labels(tmp_path):
 @pytest.mark.parametrize(("listing", "count"), [("0-1\n", 2), ("0,8", 2), ("3", 1), ("0-1,4-5", 4)])
 def test_threads_per_core_reads_the_kernels_cpu_lists(listing, count):
     assert report.cpu_list_size(listing) == count
+
+
+def test_a_traced_rows_result_says_where_its_gpu_time_went(tmp_path):
+    from tests.test_bench_trace_gaps import two_steps
+
+    folder = tmp_path / "tpustream-w8"
+    traces = folder / "tensorboard" / "profile-steps-30-32"
+    traces.mkdir(parents=True)
+    with gzip.open(traces / "host_1.2.pt.trace.json.gz", "wt") as handle:
+        json.dump({"traceEvents": two_steps()}, handle)
+    row = Row("tpustream w=8", "tpustream", 8, folder, [sys.executable, "-c", "pass"])
+    row.result = rows.run_row(row, timeout=60)
+    (gaps,) = row.result["trace_gaps"].values()
+    assert gaps["steps"] == 2 and gaps["idle_by_cause_ms"]["input"] == pytest.approx(0.3)
+    assert "compute stream idle 0.7 ms (49.3%) in 4 gaps" in rows.describe_result(row).splitlines()[1]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import trace_gaps
 from bench.ab import REPO, train_command
 from tpustream.observe.advice import mean_of, measured
 
@@ -163,6 +164,13 @@ def run_row(row: Row, timeout: float) -> dict[str, Any]:
         "seconds": seconds,
         **summarise_run(read_records(row.folder)),
     }
+    tensorboard = row.folder / "tensorboard"
+    traces = trace_gaps.find_traces(tensorboard) if tensorboard.is_dir() else []
+    if traces:  # --trace-steps: where the traced steps' GPU time went
+        result["trace_gaps"] = {
+            str(trace.relative_to(row.folder)): trace_gaps.summarise(trace_gaps.load_events(trace))
+            for trace in traces
+        }
     if code != 0:
         result["error"] = "timed out" if code is None else f"exit code {code}"
         result["output_tail"] = log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:]
@@ -175,4 +183,6 @@ def describe_result(row: Row) -> str:
     rate = result.get("images_per_second")
     measured_text = "no steady rate" if rate is None else f"{rate:.1f} images/s"
     error = f" ({result['error']}; {row.folder / 'output.log'})" if "error" in result else ""
-    return f"{row.name}: {measured_text} in {result['seconds']:.0f} s{error}"
+    lines = [f"{row.name}: {measured_text} in {result['seconds']:.0f} s{error}"]
+    lines += [trace_gaps.describe(f"  {name}", gaps) for name, gaps in result.get("trace_gaps", {}).items()]
+    return "\n".join(lines)
