@@ -115,16 +115,23 @@ class _Trace:
         return self.launches.get(event.get("args", {}).get("correlation"))
 
     def window(self) -> list[dict]:
-        """The device events the traced steps launched (all of them in a trace without step marks)."""
+        """The device events from the first to the last one the traced steps launched (all without marks).
+
+        Events between them whose launch is not in the trace (a library that
+        launches through an API the profiler does not record) are kept.
+        """
         if not self.marks:
             return self.device
         start, end = self.marks[0]["ts"], _end(self.marks[-1])
+        launched = [e for e in self.device if start <= self.launch_ts(e, default=-1.0) <= end]
+        if not launched:
+            return []
+        first, last = min(e["ts"] for e in launched), max(_end(e) for e in launched)
+        return [e for e in self.device if first <= e["ts"] and _end(e) <= last]
 
-        def launched_inside(event: dict) -> bool:
-            launch = self.launch_of(event)
-            return launch is not None and start <= launch["ts"] <= end
-
-        return [e for e in self.device if launched_inside(e)]
+    def launch_ts(self, event: dict, default: float) -> float:
+        launch = self.launch_of(event)
+        return default if launch is None else launch["ts"]
 
     def attribute(
         self, stream: list[dict], copies_ended: list[float]
