@@ -53,6 +53,7 @@ import torch
 
 from bench.feed.data import DataSpec, prepare_data
 from tpustream.config import DataConfig
+from tpustream.data.format.jpeg_window import window_decoder
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.crops import SampleRandom, _decode_jpeg, decode_crop, random_resized_plan
 from tpustream.data.read.encoded import encode_crop
@@ -190,8 +191,12 @@ def stage_times(split: ShardManifest, count: int) -> dict[str, float]:
         decode_crop(data, plan(index), IMAGE_SIZE, 3)
     start = time.perf_counter()
     for index, data in enumerate(images):
-        _decode_jpeg(data, 3, plan(index), True)
+        _decode_jpeg(data, 3, plan(index), True, window=True)
     decode = time.perf_counter() - start
+    start = time.perf_counter()  # the whole image, as without jpeg_window's cropped decoding
+    for index, data in enumerate(images):
+        _decode_jpeg(data, 3, plan(index), True, window=False)
+    decode_whole = time.perf_counter() - start
     start = time.perf_counter()
     for index, data in enumerate(images):
         # Not kept: 400 crops kept would charge their memory's first touch (~0.25 ms an image
@@ -216,6 +221,8 @@ def stage_times(split: ShardManifest, count: int) -> dict[str, float]:
         "images": len(images),
         "read_ms": read * per_image,
         "decode_ms": decode * per_image,
+        "decode_whole_image_ms": decode_whole * per_image,
+        "window_decoding": window_decoder() is not None,
         "crop_resize_ms": (whole - decode) * per_image,
         "batch_ms": copy * per_image,
         "device_decode_worker_ms": header * per_image,
@@ -238,9 +245,11 @@ def describe(rows: list[dict[str, Any]], stages: dict[str, float]) -> str:
             f"| {rate / (workers * base):.2f} | {row['replica_ms_per_batch']:.1f} "
             f"| {row['replica_cores']:.2f} | {float(np.mean(row['worker_cores'])):.2f} |"
         )
+    window = "the crop's window alone; " if stages["window_decoding"] else "no window decoder built;"
     lines.append(
         f"stages, ms per image in one process ({stages['images']} images): read {stages['read_ms']:.3f}, "
-        f"decode {stages['decode_ms']:.3f}, crop+resize {stages['crop_resize_ms']:.3f}, "
+        f"decode {stages['decode_ms']:.3f} ({window} the whole image: "
+        f"{stages['decode_whole_image_ms']:.3f}), crop+resize {stages['crop_resize_ms']:.3f}, "
         f"batch {stages['batch_ms']:.3f} = {stages['one_core_images_per_s']:.0f} images/s on one core; "
         f"for data.decode=device, header and crop draw {stages['device_decode_worker_ms']:.3f}"
     )

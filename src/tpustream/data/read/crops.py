@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from tpustream.data.format.decode import ImageDecoder, SampleError, first_line, image_extension
+from tpustream.data.format.jpeg_window import window_decoder
 from tpustream.data.format.pixels import convert_pil_image
 from tpustream.errors import ConfigError
 
@@ -185,30 +186,67 @@ def _pil_pixels(image: Image.Image, channels: int) -> np.ndarray:
 Chooser = Callable[[int, int], CropPlan]  # (height, width) -> the plan for that image
 
 
+Box = tuple[int, int, int, int]  # (left, top, right, bottom) of the plan's region in decoded pixels
+
+
+def _scaled_box(region: Box, factor: int, scaled_h: int, scaled_w: int) -> Box:
+    """The region in an image decoded at 1/factor scale (scaled_h x scaled_w)."""
+    left, top, right, bottom = region
+    if factor > 1:
+        # Scaled pixel j covers source pixels [j f, (j + 1) f): the region
+        # scales by 1/f, rounded to whole scaled pixels.
+        left, right = min(round(left / factor), scaled_w - 1), min(round(right / factor), scaled_w)
+        top, bottom = min(round(top / factor), scaled_h - 1), min(round(bottom / factor), scaled_h)
+    return left, top, right, bottom
+
+
+def _has_end_marker(data: bytes) -> bool:
+    """An EOI marker in the last KB: the window decoder never reads below its window, so a JPEG cut
+    short is left to the whole-image decode, which refuses it as before (0xFF 0xD9 occurs nowhere
+    else there: entropy-coded data stuffs every 0xFF)."""
+    return data.rfind(b"\xff\xd9", max(0, len(data) - 1024)) >= 0
+
+
 def _decode_jpeg(
-    data: bytes, channels: int, choose: Chooser, use_dct: bool
-) -> tuple[np.ndarray, CropPlan, int]:
-    """(pixels (H, W, 1|3), plan, DCT factor) through TurboJPEG; ValueError if it cannot (PIL then tries)."""
+    data: bytes, channels: int, choose: Chooser, use_dct: bool, window: bool
+) -> tuple[np.ndarray, CropPlan, Box]:
+    """(pixels (H, W, 1|3), plan, its region's box in them) through libjpeg-turbo; ValueError if it
+    cannot (PIL then tries).
+
+    window: only the region, through jpeg_window where it is built, else (or
+    if it refuses the data) the whole image through TurboJPEG.
+    """
     height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     if colorspace in PIL_COLORSPACES:
         raise ValueError(f"{colorspace} JPEG")
     plan = choose(height, width)
     factor = plan.dct_factor() if use_dct else 1
     grey = channels == 1 or colorspace == "Gray"
+    scaled_h, scaled_w = -(-height // factor), -(-width // factor)  # libjpeg's scaled size
+    box = _scaled_box(plan.region, round(width / scaled_w), scaled_h, scaled_w)
+    decode_window = window_decoder() if window and box != (0, 0, scaled_w, scaled_h) else None
+    if decode_window is not None and _has_end_marker(data):
+        try:
+            pixels = decode_window(data, factor, grey, *box)
+        except ValueError:  # the whole-image decode below gives its verdict
+            pass
+        else:
+            return pixels, plan, (0, 0, box[2] - box[0], box[3] - box[1])
     # The largest scale with both sides at least these is exactly 1/factor.
     pixels = simplejpeg.decode_jpeg(
         data,
         colorspace="GRAY" if grey else "RGB",
-        min_height=-(-height // factor),
-        min_width=-(-width // factor),
+        min_height=scaled_h,
+        min_width=scaled_w,
         min_factor=factor,
     )
-    return pixels, plan, round(width / pixels.shape[1])
+    scaled_h, scaled_w = pixels.shape[:2]
+    return pixels, plan, _scaled_box(plan.region, round(width / scaled_w), scaled_h, scaled_w)
 
 
 def _decode_pil(
     data: bytes, channels: int, choose: Chooser, use_dct: bool
-) -> tuple[np.ndarray, CropPlan, int]:
+) -> tuple[np.ndarray, CropPlan, Box]:
     """The same through PIL: CMYK JPEGs, PNGs named .jpg, and every other format."""
     image = Image.open(io.BytesIO(data))
     width, height = image.size
@@ -221,10 +259,13 @@ def _decode_pil(
             # requested size: asking for width // factor gets exactly factor.
             image.draft("L" if channels == 1 else "RGB", (width // factor, height // factor))
             factor = round(width / image.size[0])  # the scale draft chose
-    return _pil_pixels(image, channels), plan, factor
+    pixels = _pil_pixels(image, channels)
+    return pixels, plan, _scaled_box(plan.region, factor, *pixels.shape[:2])
 
 
-def decode_crop(data: bytes, choose: Chooser, size: int, channels: int, use_dct: bool = True) -> np.ndarray:
+def decode_crop(
+    data: bytes, choose: Chooser, size: int, channels: int, use_dct: bool = True, window: bool = True
+) -> np.ndarray:
     """uint8 (channels, size, size) crop of an encoded image, planned from its header's size.
 
     `choose(height, width)` returns the CropPlan. A JPEG is decoded by
@@ -244,19 +285,12 @@ def decode_crop(data: bytes, choose: Chooser, size: int, channels: int, use_dct:
         return plans[height, width]
 
     try:
-        pixels, plan, factor = _decode_jpeg(data, channels, plan_once, use_dct)
+        pixels, plan, (left, top, right, bottom) = _decode_jpeg(data, channels, plan_once, use_dct, window)
     except ValueError:  # not a JPEG, a CMYK one, or one TurboJPEG refuses
         try:
-            pixels, plan, factor = _decode_pil(data, channels, plan_once, use_dct)
+            pixels, plan, (left, top, right, bottom) = _decode_pil(data, channels, plan_once, use_dct)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
             raise SampleError(f"cannot decode image: {first_line(exc)}") from None
-    left, top, right, bottom = plan.region
-    if factor > 1:
-        # Scaled pixel j covers source pixels [j f, (j + 1) f): the region
-        # scales by 1/f, rounded to whole scaled pixels.
-        scaled_h, scaled_w = pixels.shape[:2]
-        left, right = min(round(left / factor), scaled_w - 1), min(round(right / factor), scaled_w)
-        top, bottom = min(round(top / factor), scaled_h - 1), min(round(bottom / factor), scaled_h)
     with warnings.catch_warnings():
         # PIL's pixels are a read-only buffer, which torch warns about; they are
         # only read (a writable copy would cost ~40 us an image).
@@ -306,6 +340,8 @@ class CroppingDecoder:
         if height != width:
             raise ConfigError(f"crops are square; the output size {height}x{width} is not")
         check_eval_crop_ratio(self.eval_ratio)
+        # Built (once a machine) here, before the DataLoader workers start: they only load it.
+        window_decoder()
 
     @property
     def size(self) -> int:

@@ -1,0 +1,93 @@
+"""Typed configuration schemas, registered in Hydra's ConfigStore.
+
+The YAML files in conf/ fill these dataclasses; Hydra checks every key and
+type against them when it composes the config, so a typo such as
+``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
+
+``schema`` holds the dataclasses (each section checks its own fields; the
+recipe's sections, model, optim and ema, are ``recipe``'s),
+``choices`` the enums, ``environment`` the settings read from the environment.
+
+This package is the ground floor: everything reads it, and it imports none
+of the code that reads it. A check that needs the data code, a model or
+storage lives beside that package (data.read.checks, models.check_model_config,
+augment.policies.build_policy) and launch.checks calls it before spawning.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from tpustream.config.choices import (
+    SPMD_STRATEGIES,
+    BestOf,
+    Collectives,
+    Decode,
+    Device,
+    EpochsChange,
+    EraseMode,
+    IndexMode,
+    Interpolation,
+    LastBatch,
+    MixMode,
+    ModelLibrary,
+    OnError,
+    OptimizerName,
+    Precision,
+    RuntimeKind,
+    Schedule,
+    Strategy,
+    TrainCrop,
+)
+from tpustream.config.environment import positive_seconds
+from tpustream.config.recipe import AugmentConfig, EmaConfig, ModelConfig, OptimConfig
+from tpustream.config.schema import (
+    AcceleratorConfig,
+    CheckpointConfig,
+    DataConfig,
+    DebugConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "SPMD_STRATEGIES",
+    "AcceleratorConfig",
+    "AugmentConfig",
+    "BestOf",
+    "EpochsChange",
+    "CheckpointConfig",
+    "Collectives",
+    "DataConfig",
+    "DebugConfig",
+    "Decode",
+    "Device",
+    "EmaConfig",
+    "EraseMode",
+    "Interpolation",
+    "IndexMode",
+    "LastBatch",
+    "MixMode",
+    "ModelConfig",
+    "ModelLibrary",
+    "OnError",
+    "OptimConfig",
+    "OptimizerName",
+    "Precision",
+    "RuntimeKind",
+    "Schedule",
+    "Strategy",
+    "TrainConfig",
+    "TrainCrop",
+    "positive_seconds",
+    "register_configs",
+]
+
+
+def register_configs() -> None:
+    """Register the schemas so conf/*.yaml can extend them by name."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="accelerator", name="accelerator_schema", node=AcceleratorConfig)

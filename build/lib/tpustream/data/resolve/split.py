@@ -1,0 +1,92 @@
+"""A shard specification to a split every replica can plan from: URLs, counts, classes, image shape.
+
+A specification is a folder or gs:// prefix, a brace pattern, a list of
+patterns (a Hydra list), or an index file (our manifest.json, a wids shard
+index, our tpustream-index.json). Counts come, per shard, from the first of:
+our manifest; the index file given; what other tools recorded beside the
+shards (open_clip, timm, img2dataset: ``counts``); our own index, counting
+what is still missing (``index``). All of it happens once per job, before any
+replica is spawned, so replicas get identical counts by construction. For
+training, the first samples are also read with the configured image and label
+keys, so a wrong key fails here rather than after an epoch of bad samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tpustream import storage
+from tpustream.data.format.manifest import ShardInfo, ShardManifest
+from tpustream.data.resolve import recorded
+from tpustream.data.resolve.counting import counts_for
+from tpustream.data.resolve.options import SplitOptions
+from tpustream.data.resolve.probe import check_first_samples, describe_images
+from tpustream.data.resolve.spec import describe_spec, expand_spec, first_duplicate
+from tpustream.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def load_split(spec: str | Sequence[str], split: str, options: SplitOptions | None = None) -> ShardManifest:
+    """The split described by `spec`, with a sample count for every shard; ConfigError if impossible."""
+    options = options or SplitOptions()
+    expanded = expand_spec(spec)
+    if not expanded.urls:
+        raise ConfigError(f"{describe_spec(spec)}: names no shards")
+    duplicate = first_duplicate(expanded.urls)
+    if duplicate:
+        raise ConfigError(f"{describe_spec(spec)}: shard {duplicate} is named twice")
+    counts = dict(expanded.counts)
+    sources = list(dict.fromkeys(expanded.sources))
+    missing = [u for u in expanded.urls if u not in counts]
+    if missing:
+        for source in recorded.find_recorded_counts([u for u in missing if storage.has_neighbours(u)]):
+            covered = {u: n for u, n in source.counts.items() if u not in counts and u in missing}
+            if covered:
+                counts.update(covered)
+                sources.append(source.description)
+        missing = [u for u in expanded.urls if u not in counts]
+    if missing:
+        found, note = counts_for(
+            missing,
+            options.output_dir,
+            allow_counting=options.allow_counting,
+            counting_host=options.counting_host,
+            progress=options.progress,
+        )
+        counts.update(found)
+        sources.append(note)
+    shards = [ShardInfo(u, counts[u]) for u in expanded.urls]
+    _check_total_hints(expanded.whole_folders, shards)
+    manifest = describe_images(spec, split, shards, expanded.manifests, options)
+    manifest.counts_from = "; ".join(sources)
+    if manifest.num_samples == 0:
+        raise ConfigError(f"{describe_spec(spec)}: the split has no samples ({manifest.counts_from})")
+    if options.label_key is not None:
+        check_first_samples(manifest, options, describe_spec(spec))
+    return manifest
+
+
+def _check_total_hints(folders: list[str], shards: list[ShardInfo]) -> None:
+    """open_clip's __len__ holds only a folder's total: not a plan, but a check on the counts."""
+    for folder in folders:
+        hint = recorded.read_total_hint(folder)
+        prefix = folder.rstrip("/") + "/"
+        total = sum(s.samples for s in shards if s.url.startswith(prefix))
+        if hint is not None and hint != total:
+            log.warning(
+                "%s: open_clip's __len__ says %d samples, but the shards hold %d by their counts",
+                folder,
+                hint,
+                total,
+            )
+
+
+def load_manifest(spec: str) -> ShardManifest:
+    """A split from any shard specification, counting nothing: every count must be recorded somewhere.
+
+    The full resolution (including counting and indexing) is
+    ``load_split``; this is its read-only form for tools.
+    """
+    return load_split(spec, "", SplitOptions(allow_counting=False, progress=False))

@@ -1,0 +1,1 @@
+"""Writing a split's WebDataset shards and manifest (``tpustream-make-shards``)."""

@@ -1,0 +1,369 @@
+"""Checks before spawning: the config alone, the machine, the run folder, the data against the config.
+
+Everything that can be checked without a device is checked in train.py's
+process, before ``xmp.spawn``, so bad input costs seconds and one clear line
+instead of N replicas failing (or N-1 replicas waiting forever in an
+all-reduce for the one that failed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import typing
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tpustream import storage
+from tpustream.augment.policies import build_policy
+from tpustream.config import (
+    SPMD_STRATEGIES,
+    Collectives,
+    Device,
+    ModelLibrary,
+    RuntimeKind,
+    TrainConfig,
+    TrainCrop,
+)
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.checks import check_data_config
+from tpustream.data.read.plan import plan_layout
+from tpustream.errors import ConfigError, StorageError
+from tpustream.launch.runtime_checks import check_runtime_and_strategy
+from tpustream.models import check_model_builds, check_model_config
+
+log = logging.getLogger(__name__)
+
+# The upstream bug that makes multi-device XLA:CPU unusable for training.
+# Free-form mappings inside the typed config: their keys are not the schema's.
+FREE_FORM_KEYS = ("model.options",)
+
+
+def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
+    """Resolve interpolations (Hydra's resolvers exist only in this process) and make paths absolute."""
+    try:
+        OmegaConf.resolve(cfg)
+        check_known_keys(cfg, TrainConfig)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_config_error(exc)) from None
+    for key in ("data.root", "data.train_shards", "data.val_shards", "output_dir", "log_dir"):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and value:
+            OmegaConf.update(cfg, key, storage.absolute(value))
+        elif OmegaConf.is_list(value):
+            OmegaConf.update(
+                cfg, key, [storage.absolute(v) if isinstance(v, str) else v for v in value], merge=False
+            )
+    native = cfg.accelerator.runtime == RuntimeKind.native
+    cfg.xla_cache_dir = None if native else resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
+    try:
+        typed: TrainConfig = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_config_error(exc)) from None
+    plain = OmegaConf.to_container(cfg, enum_to_str=True)
+    return typed, plain
+
+
+# Where xla_cache_dir=auto keeps the persistent compile cache on TPU hosts.
+DEFAULT_XLA_CACHE = "~/.cache/tpustream/xla"
+
+
+def resolve_xla_cache_dir(value: str | None, device: Device | str) -> str | None:
+    """xla_cache_dir as a local absolute folder, or None (off).
+
+    auto is on for TPU only: torch_xla 2.9's CPU client writes cache entries
+    it then cannot load ("Deserializing serialized executable not supported",
+    measured in bench/EPOCH_TIME.md), so on CPU a cache costs writes and
+    warnings and saves nothing.
+    """
+    if value is None or value == "":
+        return None
+    if value == "auto":
+        return os.path.expanduser(DEFAULT_XLA_CACHE) if Device(device) == Device.TPU else None
+    if storage.is_gcs(value):
+        raise ConfigError(f"xla_cache_dir={value}: the compile cache must be a local folder")
+    return storage.absolute(os.path.expanduser(value))
+
+
+def describe_config_error(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's error as one line naming the key; a missing value usually means a schema was chosen."""
+    key = getattr(exc, "full_key", "") or ""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+    if exc.__class__.__name__ == "MissingMandatoryValue":
+        return (
+            f"{key or 'a config key'} has no value: set it, or pick a config group option that does "
+            "(data=digits, not data=data_schema)"
+        )
+    return f"{key}: {reason}" if key and key not in reason else reason
+
+
+def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
+    """Every key of cfg is a field of the schema dataclass (recursively); else ConfigError naming it.
+
+    Hydra accepts ``+optim.lrr=0.1`` (an explicit add) even on a typed
+    config; the schema decides what the trainer reads, so an unknown key
+    would be silently ignored.
+    """
+    # get_type_hints resolves the schema's postponed (string) annotations to classes.
+    fields = typing.get_type_hints(schema)
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = ", ".join(sorted(f for f in fields if f[:2] == str(key)[:2])) or ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key {name} (known here: {close})")
+        if name in FREE_FORM_KEYS:
+            continue
+        value = cfg._get_node(key)
+        if dataclasses.is_dataclass(fields[key]) and OmegaConf.is_dict(value):
+            check_known_keys(value, fields[key], f"{name}.")
+
+
+def check_run_dir(argv: list[str]) -> str | None:
+    """Why Hydra could not create this run's folder, as one line; None if it can.
+
+    Hydra creates ``hydra.run.dir`` (default ``outputs/<date>/<time>`` under the
+    current folder) before anything of ours runs, and a failure there is its
+    traceback; train.py asks this first. Interpolated values and multiruns
+    are left to Hydra.
+    """
+    if "-m" in argv or "--multirun" in argv:
+        return None
+    # Another primary config may set hydra.run.dir itself: then only a value given here is ours to check.
+    other_config = any(
+        a.split("=")[0] in ("-cp", "-cd", "-cn", "--config-path", "--config-dir", "--config-name")
+        for a in argv
+    )
+    value = None if other_config else "outputs"
+    for arg in argv:
+        key, sep, given = arg.lstrip("+").partition("=")
+        if sep and key == "hydra.run.dir":
+            value = given.strip("'\"")
+    if value is None or "${" in value:
+        return None
+    folder = os.path.abspath(os.path.expanduser(value))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"hydra.run.dir={value}: {existing} is a file, not a folder; choose another hydra.run.dir"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"hydra.run.dir={value}: cannot write in {existing}; choose another hydra.run.dir"
+    return None
+
+
+def check_environment() -> None:
+    """Environment settings we read, checked before anything uses them."""
+    storage.check_environment()
+
+
+def check_accelerator_present(cfg: TrainConfig) -> None:
+    """accelerator=tpu or cuda on a machine without the device: say so now, not from N failed replicas."""
+    if cfg.accelerator.runtime == RuntimeKind.xla and importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError(
+            f"accelerator.runtime=xla (device {cfg.accelerator.device.value}) needs torch_xla, which is "
+            "not installed: pip install 'tpustream[xla]' ('tpustream[tpu]' on a TPU VM), or run "
+            "accelerator=cuda or cpu_eager (native PyTorch)"
+        )
+    if cfg.accelerator.device == Device.CUDA:
+        gpus = local_gpus()
+        wanted = cfg.accelerator.num_devices
+        if gpus == 0:
+            raise ConfigError(
+                "accelerator=cuda, but PyTorch sees no GPU here (torch.cuda.device_count() is 0); "
+                "use accelerator=cpu_eager or accelerator=cpu"
+            )
+        if wanted is not None and wanted > gpus:
+            raise ConfigError(f"accelerator.num_devices={wanted}, but this machine has {gpus} GPU(s)")
+        return
+    if cfg.accelerator.device != Device.TPU:
+        return
+    from tpustream.runtime import count_tpu_chips
+
+    if count_tpu_chips() == 0:
+        raise ConfigError(
+            "accelerator=tpu, but this machine has no TPU chips (none on its PCI bus); run on a TPU VM, "
+            "or use accelerator=cpu"
+        )
+
+
+def check_run_folders(cfg: TrainConfig) -> None:
+    """output_dir and log_dir exist or can be created, and take a write (local or gs://)."""
+    for name, folder in (("output_dir", cfg.output_dir), ("log_dir", cfg.log_dir)):
+        if not folder:
+            continue
+        if name == "log_dir" and storage.scheme_name(folder):
+            raise ConfigError(f"log_dir={folder}: must be a local folder (replicas append to files there)")
+        try:
+            storage.probe_writable(folder)
+        except StorageError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Checks that need no data and no device: each section's own (TrainConfig.check), then what the
+    data, model and augmentation code judge of their sections, then the rules across sections.
+
+    The config package is a leaf that imports none of that code, so its
+    checks are called here, beside its own, all before spawning.
+    """
+    cfg.check()
+    check_data_config(cfg.data)
+    check_model_config(cfg.model)
+    build_policy(cfg.augment)  # a RandAugment string timm would not read: one line naming its section
+    check_runtime_and_strategy(cfg)
+
+
+def replica_batch_size(cfg: TrainConfig, devices_per_replica: int) -> int:
+    """The batch one replica loads per step: batch_size per device it drives."""
+    return cfg.batch_size * devices_per_replica
+
+
+def known_devices_per_replica(cfg: TrainConfig) -> int | None:
+    """Devices one replica drives, if known before spawning (an spmd host's count is not, on TPU)."""
+    if cfg.strategy not in SPMD_STRATEGIES:
+        return 1
+    return cfg.accelerator.num_devices if cfg.accelerator.device == Device.CPU else None
+
+
+def check_data(
+    cfg: TrainConfig,
+    train: ShardManifest,
+    val: ShardManifest,
+    world_size: int | None,
+    devices_per_replica: int | None = 1,
+) -> None:
+    """Checks of the data against the config; world_size None = not known before spawn."""
+    for manifest, key in ((train, "train_shards"), (val, "val_shards")):
+        if manifest.image_size is None:
+            raise ConfigError(
+                f"data.{key}: the manifest says its images vary in size; train on them with "
+                "data.train_crop=random_resized (and data.image_size, the crops' side)"
+            )
+    if train.image_size != val.image_size or train.channels != val.channels:
+        raise ConfigError(
+            f"train images are {train.channels}x{train.image_size}, validation images "
+            f"{val.channels}x{val.image_size}; they must match"
+        )
+    if train.classes != val.classes:
+        raise ConfigError("train and validation manifests list different classes")
+    check_channel_values(cfg, train.channels)
+    warn_if_upsampled(cfg, train)
+    side = min(train.image_size)
+    if TrainCrop(cfg.data.train_crop) == TrainCrop.pad_crop and cfg.data.crop_padding >= side:
+        raise ConfigError(
+            f"data.crop_padding={cfg.data.crop_padding} on {side}-pixel images: a crop could hold no "
+            f"pixel of the image; use less than {side} (the CIFAR recipe pads 4 of 32)"
+        )
+    check_model_builds(
+        cfg.model.name,
+        dict(cfg.model.options),
+        num_classes=train.num_classes,
+        input_size=train.image_size,
+        channels=train.channels,
+        library=cfg.model.library,
+        layer_groups=cfg.optim.layer_decay_on(),
+    )
+    # A synthetic stand-in (data.synthetic without shards) has no samples to share out.
+    if world_size is not None and devices_per_replica is not None and train.shards:
+        share = train.num_samples // world_size
+        batch = replica_batch_size(cfg, devices_per_replica)
+        if batch > share:
+            per_device = f" x {devices_per_replica} devices = {batch}" if devices_per_replica > 1 else ""
+            raise ConfigError(
+                f"batch_size={cfg.batch_size}{per_device} is larger than a replica's share of the training "
+                f"split ({train.num_samples} samples / {world_size} replica(s) = {share}); lower batch_size"
+            )
+        plan_layout(train.num_samples, batch, world_size, cfg.data.last_batch, "train")
+
+
+def check_channel_values(cfg: TrainConfig, channels: int) -> None:
+    """data.mean, data.std and augment.fill give one value per channel of the images, or ConfigError.
+
+    Checked here, not in the schema: the channel count is the data's
+    (data.channels, else the manifest's). A wrong count would otherwise fail
+    in every replica, at the first normalised or augmented batch.
+    """
+    source = f"data.channels={cfg.data.channels}" if cfg.data.channels else "the data's"
+    images = f"images have {channels} channel(s) ({source})"
+    # DataConfig.check has made mean and std the same length: both must change together.
+    if len(cfg.data.mean) != channels:
+        example = ",".join(["0.5"] * channels), ",".join(["0.25"] * channels)
+        raise ConfigError(
+            f"data.mean and data.std have {len(cfg.data.mean)} values, {images}: give both one value per "
+            f"channel, e.g. data.mean=[{example[0]}] data.std=[{example[1]}]"
+        )
+    fill = cfg.augment.fill
+    if fill is not None and len(fill) != channels:
+        raise ConfigError(
+            f"augment.fill has {len(fill)} values, {images}: give one 0..255 value per channel, "
+            f"e.g. augment.fill=[{','.join(['128'] * channels)}], or null (the mean colour)"
+        )
+
+
+# Crops this many times the stored images' larger side, or more, get a warning.
+UPSAMPLED_WARNING_FACTOR = 2
+
+
+def warn_if_upsampled(cfg: TrainConfig, train: ShardManifest) -> None:
+    """A warning when random-resized crops are far larger than the stored images (32 px data at 224).
+
+    Not an error: fine-tuning a model made for 224 px on small images
+    upsampled to 224 is common practice. Training one from scratch that way
+    costs (224/32)^2 = 49x the compute per image for no more information, and
+    nothing else would say so. With model.pretrained, the size is the weights'
+    and the upsampling is that practice: no warning.
+    """
+    if train.stored_size is None or train.image_size is None or cfg.model.wants_pretrained():
+        return
+    side, stored = max(train.image_size), max(train.stored_size)
+    if side < UPSAMPLED_WARNING_FACTOR * stored:
+        return
+    library = ModelLibrary(cfg.model.library).value
+    model = f"model={cfg.model.name}" if library == "tpustream" else f"model={library} {cfg.model.name}"
+    log.warning(
+        "data.image_size=%d: %s is trained on %dx%d crops of images stored at %dx%d at most, each "
+        "upsampled %.0fx or more; to train at the data's size, set data.image_size=%d with a model "
+        "made for it (timm ViTs: model.options.img_size and patch_size)",
+        side,
+        model,
+        side,
+        side,
+        *train.stored_size,
+        side / stored,
+        stored,
+    )
+
+
+def local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def native_processes(cfg: TrainConfig) -> int:
+    """Replica processes on this machine under accelerator.runtime=native (null on CUDA: every GPU)."""
+    acc = cfg.accelerator
+    if acc.num_devices is not None:
+        return acc.num_devices
+    return local_gpus() if acc.device == Device.CUDA else 1
+
+
+def known_world_size(cfg: TrainConfig) -> int | None:
+    """The number of replicas if it is known before spawning (not on TPU: the pod decides).
+
+    Under strategy=spmd / spmd_fsdp a replica is a host's process (one on CPU).
+    """
+    acc = cfg.accelerator
+    if acc.runtime == RuntimeKind.native:
+        from tpustream.launch.hosts import native_hosts
+
+        return native_hosts(native_processes(cfg)).world_size
+    if acc.collectives == Collectives.gloo:
+        return acc.num_devices
+    if acc.device == Device.CPU or acc.num_devices == 1:
+        return 1
+    return None

@@ -1,0 +1,198 @@
+"""``tpustream-pod gke-manifest``: the same training on GKE, as a JobSet manifest for one TPU slice.
+
+    tpustream-pod gke-manifest --type v5litepod-16 --image IMAGE -- \\
+        python train.py accelerator=tpu output_dir=gs://BUCKET/runs/r50 ... | kubectl apply -f -
+
+One replicated job, one Job per slice, one pod per host (completions and
+parallelism = the slice's hosts), placed by GKE's TPU node labels
+(``cloud.google.com/gke-tpu-accelerator``, ``cloud.google.com/gke-tpu-topology``),
+each asking for its host's chips (``google.com/tpu``). GKE injects TPU_WORKER_ID
+and TPU_WORKER_HOSTNAMES into the pods of an Indexed Job that asks for TPUs;
+JobSet gives the Job its headless service. The shape follows JobSet's API
+(kubernetes-sigs/jobset, api/jobset/v1alpha2/jobset_types.go, and its
+failure-policy examples) and xpk's workload template (AI-Hypercomputer/xpk,
+src/xpk/commands/workload.py).
+
+Restarts: any pod failing fails its Job (backoffLimit 0), and JobSet then
+recreates every Job (failurePolicy: RestartJobSet, at most maxRestarts times).
+A pod that exits 75 (train.py was stopped and saved last.pt) or was evicted
+(condition DisruptionTarget: a spot node taken, host maintenance) fails its Job
+through the Job's podFailurePolicy, reason PodFailurePolicy, and the first rule
+of the JobSet's failurePolicy restarts it without counting against maxRestarts
+(RestartJobSetAndIgnoreMaxRestarts, JobSet v0.6+). The rerun continues from
+output_dir's last.pt, which must therefore be a gs:// URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError
+from tpustream.pod.manifest_yaml import to_yaml
+from tpustream.pod.spec import parse_env
+from tpustream.pod.types import SLICE_TYPES, SliceType, slice_type
+from tpustream.pod.usage import UsageParser, split_command
+
+CONTAINER = "tpustream"
+ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+SPOT_LABEL = "cloud.google.com/gke-spot"
+# JobSet's pod names (NAME-slice-0-HOST-xxxxx) must stay within DNS's 63 characters.
+_NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
+# The Job's index (0 .. hosts-1), as Kubernetes sets it on every pod of an Indexed Job.
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def gke_generations() -> list[str]:
+    return list(dict.fromkeys(kind.generation for kind in SLICE_TYPES.values() if kind.gke_accelerator))
+
+
+def pod_failure_policy() -> dict:
+    """Exit 75 or an eviction fail the Job with reason PodFailurePolicy, which the JobSet restarts for free.
+
+    ``onPodConditions: []`` and ``status: "True"`` are spelled out: JobSet
+    validates the Job template without Kubernetes' defaulting (its examples and
+    xpk write them too).
+    """
+    return {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onPodConditions": [],
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [PREEMPTED_EXIT_CODE],
+                },
+            },
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]
+    }
+
+
+def failure_policy(max_restarts: int) -> dict:
+    return {
+        "maxRestarts": max_restarts,
+        "rules": [
+            {
+                "name": "preemptedOrEvicted",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+            }
+        ],  # any other failure: RestartJobSet, counted against maxRestarts
+    }
+
+
+def container(kind: SliceType, image: str, command: list[str], env: tuple[tuple[str, str], ...]) -> dict:
+    variables = [
+        {"name": "PJRT_DEVICE", "value": "TPU"},
+        # train.py's host index (tpustream.launch.hosts): host 0 counts shards the others wait for.
+        {"name": "TPUSTREAM_HOST_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+        *({"name": name, "value": value} for name, value in env),
+    ]
+    return {
+        "name": CONTAINER,
+        "image": image,
+        "command": command,
+        "env": variables,
+        # As `docker run --privileged` in the Dockerfile's header: the host's TPU devices.
+        "securityContext": {"privileged": True},
+        "resources": {"limits": {"google.com/tpu": kind.chips_per_host}},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+
+
+def pod_spec(kind: SliceType, args: argparse.Namespace, command: list[str]) -> dict:
+    selector = {ACCELERATOR_LABEL: kind.gke_accelerator, TOPOLOGY_LABEL: kind.topology}
+    tolerations = [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+    if args.spot:
+        selector[SPOT_LABEL] = "true"
+        tolerations.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    return {
+        "restartPolicy": "Never",  # podFailurePolicy requires it; JobSet restarts instead
+        # The TPU runtimes of a slice's hosts reach each other on the hosts' network (as --net=host).
+        "hostNetwork": True,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        # SIGTERM to last.pt takes a checkpoint write; a spot node gives about 30s.
+        "terminationGracePeriodSeconds": args.termination_grace,
+        "nodeSelector": selector,
+        "tolerations": tolerations,
+        "containers": [container(kind, args.image, command, parse_env(args.env))],
+        # DataLoader workers hand batches over through /dev/shm (as docker run --shm-size).
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": args.shm_size}}],
+    }
+
+
+def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str]) -> dict:
+    """The JobSet for one slice of ``kind`` running ``command`` on every host."""
+    if kind.gke_accelerator is None:
+        raise ConfigError(
+            f"--type {kind.name}: GKE offers no {kind.generation} slices, only {', '.join(gke_generations())}"
+        )
+    if not _NAME.match(args.name):
+        raise ConfigError(
+            f"--name {args.name!r}: lowercase letters, digits and -, at most 40, starting with a letter"
+        )
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {
+            "name": args.name,
+            # All pods of a Job on one node pool, i.e. one physical slice (JobSet's exclusive placement).
+            "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"},
+        },
+        "spec": {
+            "failurePolicy": failure_policy(args.max_restarts),
+            "replicatedJobs": [
+                {
+                    "name": "slice",
+                    "replicas": 1,
+                    "template": {
+                        "spec": {
+                            "completionMode": "Indexed",
+                            "parallelism": kind.hosts,
+                            "completions": kind.hosts,
+                            "backoffLimit": 0,  # one failed pod fails the Job: the JobSet restarts all
+                            "podFailurePolicy": pod_failure_policy(),
+                            "template": {"spec": pod_spec(kind, args, command)},
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = UsageParser(
+        prog="tpustream-pod gke-manifest",
+        usage="%(prog)s --type TYPE --image IMAGE [options] -- COMMAND [ARG ...]",
+        description="Print a JobSet manifest that runs COMMAND on every host of a GKE TPU slice.",
+    )
+    parser.add_argument("--type", required=True, metavar="TYPE", help="accelerator type, e.g. v5litepod-16")
+    parser.add_argument("--image", required=True, help="built from this repository's Dockerfile")
+    parser.add_argument("--name", default="tpustream", help="the JobSet's name (default tpustream)")
+    parser.add_argument("--max-restarts", type=int, default=3, metavar="N", help="other failures (default 3)")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V", help="set in every pod")
+    parser.add_argument("--spot", action="store_true", help="run on spot nodes (cloud.google.com/gke-spot)")
+    parser.add_argument("--termination-grace", type=int, default=30, metavar="SECONDS", help="default 30")
+    parser.add_argument("--shm-size", default="16Gi", help="/dev/shm per pod (default 16Gi)")
+    return parser
+
+
+def gke_main(argv: list[str]) -> int:
+    options, command = split_command(argv)
+    args = build_parser().parse_args(options)
+    if not command:
+        raise ConfigError("no command: put it after --, e.g. -- python train.py accelerator=tpu")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    kind = slice_type(args.type)
+    manifest = jobset_manifest(kind, args, command)
+    header = (
+        f"# {kind.name} on GKE: {kind.hosts} pod(s) x {kind.chips_per_host} chip(s), topology "
+        f"{kind.topology} (node pools of {kind.gke_machine_type}); made by tpustream-pod gke-manifest"
+    )
+    print(header + "\n" + to_yaml(manifest), end="", flush=True)
+    return 0

@@ -1,0 +1,119 @@
+"""How a TPU VM pod was asked for (type, runtime, spot or not, network, account), and where that is kept.
+
+A spot or preemptible pod does not come back after a preemption: --recreate asks
+for the same one again, so it must know how the pod was made. ``tpustream-pod
+create`` records that in ``~/.tpustream/pods/`` on this machine; a launch reads
+it from the pod itself (``describe``) while it still exists, and records it too,
+so a pod made by other means can be recreated after it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from tpustream.errors import ConfigError, TpustreamError
+from tpustream.pod.types import slice_type
+
+# How the capacity is paid for. Queued resources take --spot and --reserved; on-demand is
+# neither. Preemptible TPU VMs predate spot ones and exist only through tpu-vm create --preemptible.
+PROVISIONING = ("on-demand", "spot", "preemptible", "reserved")
+RECORDS_DIR = ".tpustream/pods"
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """A pod as gcloud creates it: one queued resource and one TPU VM node, both named ``name``."""
+
+    name: str
+    zone: str
+    accelerator_type: str
+    runtime_version: str
+    provisioning: str = "on-demand"
+    project: str | None = None
+    network: str | None = None
+    subnetwork: str | None = None
+    service_account: str | None = None
+    gcloud: str = "gcloud"
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.zone:
+            raise ConfigError("a TPU pod needs a name and a --zone")
+        if self.provisioning not in PROVISIONING:
+            known = ", ".join(PROVISIONING)
+            raise ConfigError(f"provisioning {self.provisioning!r}: expected one of {known}")
+
+    @property
+    def queued(self) -> bool:
+        """Whether it is asked for as a queued resource (everything but preemptible)."""
+        return self.provisioning != "preemptible"
+
+
+def default_runtime(accelerator_type: str) -> str:
+    """The runtime version for PyTorch on this type (tpustream.pod.types cites the table)."""
+    return slice_type(accelerator_type).runtime_version
+
+
+def _last_part(path: object) -> str | None:
+    """``projects/p/global/networks/default`` -> ``default``: gcloud takes the short name."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if path else None
+
+
+def spec_from_describe(node: dict, name: str, zone: str, project: str | None) -> SliceSpec:
+    """How an existing pod was made, from ``gcloud ... tpu-vm describe --format=json``."""
+    scheduling = node.get("schedulingConfig") or {}
+    if scheduling.get("spot"):
+        provisioning = "spot"
+    elif scheduling.get("preemptible"):
+        provisioning = "preemptible"
+    elif scheduling.get("reserved"):
+        provisioning = "reserved"
+    else:
+        provisioning = "on-demand"
+    network = node.get("networkConfig") or {}
+    account = (node.get("serviceAccount") or {}).get("email")
+    accelerator = node.get("acceleratorType")
+    runtime = node.get("runtimeVersion")
+    if not accelerator or not runtime:
+        raise TpustreamError(f"gcloud describe {name}: no acceleratorType or runtimeVersion to recreate from")
+    return SliceSpec(
+        name=name,
+        zone=zone,
+        project=project,
+        accelerator_type=str(accelerator),
+        runtime_version=str(runtime),
+        provisioning=provisioning,
+        network=_last_part(network.get("network")),
+        subnetwork=_last_part(network.get("subnetwork")),
+        service_account=account or None,
+    )
+
+
+def record_path(name: str, zone: str, project: str | None) -> Path:
+    return Path.home() / RECORDS_DIR / (project or "default-project") / zone / f"{name}.json"
+
+
+def save_record(spec: SliceSpec) -> Path:
+    """Write the spec atomically (a Ctrl-C mid-write must not leave half a record)."""
+    path = record_path(spec.name, spec.zone, spec.project)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = {k: v for k, v in asdict(spec).items() if k != "gcloud"}
+    partial = path.with_suffix(".json.tmp")
+    partial.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def load_record(name: str, zone: str, project: str | None, gcloud: str = "gcloud") -> SliceSpec | None:
+    """The recorded spec of a pod, or None if this machine never saw it."""
+    path = record_path(name, zone, project)
+    try:
+        values = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise TpustreamError(f"{path}: not a pod record ({exc}); delete it") from None
+    known = {f.name for f in fields(SliceSpec)}
+    return replace(SliceSpec(**{k: v for k, v in values.items() if k in known}), gcloud=gcloud)

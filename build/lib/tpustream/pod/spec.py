@@ -1,0 +1,84 @@
+"""What a pod launch is: the LaunchSpec that ``__main__`` builds from the command line, checked."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpustream.errors import ConfigError
+from tpustream.pod.types import slice_type
+
+DEFAULT_WORKDIR = "~/tpustream"
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a pod launch needs; built from the command line by ``__main__``."""
+
+    tpu: str
+    zone: str
+    command: tuple[str, ...]  # what each host runs, e.g. (".venv/bin/python", "train.py", "accelerator=tpu")
+    project: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set on each host after PJRT_DEVICE=TPU
+    workdir: str = DEFAULT_WORKDIR  # on each host; "~/" means the ssh user's home
+    sync: bool = False
+    source: Path | None = None  # what --sync copies; None: the checkout tpustream is installed from
+    restart: bool = False
+    max_restarts: int = 3
+    num_workers: int | None = None  # None: ask describe
+    grace: float = 30.0  # after a failure, seconds the other hosts get to finish on their own
+    poll_interval: float = 30.0  # seconds between describe calls while waiting for READY
+    ready_timeout: float = 3600.0
+    # --recreate: a pod that was taken (PREEMPTED, TERMINATED, gone) is deleted and asked for again
+    recreate: bool = False
+    backoff: float = 60.0  # seconds before asking again after a request that failed; doubles each time
+    create_timeout: float = 7200.0  # seconds a queued resource may wait for capacity
+    # --type and --spot/--preemptible/--reserved: how to make the pod if it does not exist yet
+    # and this machine has no record of it (then the first launch makes it, as `create` would)
+    slice_type: str | None = None
+    provisioning: str = "on-demand"
+    gcloud: str = "gcloud"
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no command to run: put it after --, e.g. -- .venv/bin/python train.py")
+        if not self.tpu or not self.zone:
+            raise ConfigError("--tpu and --zone are required")
+        if not self.workdir:
+            raise ConfigError("--workdir must not be empty")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.restart and "resume=overwrite" in self.command:
+            # Each relaunch would delete the progress its preempted run had saved.
+            raise ConfigError(
+                "--restart with resume=overwrite would start the run over at every restart; "
+                "delete the old run once (or use another output_dir) and launch with resume=auto"
+            )
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if min(self.grace, self.poll_interval, self.ready_timeout, self.backoff, self.create_timeout) < 0:
+            raise ConfigError(
+                "--grace, --poll-interval, --ready-timeout, --backoff and --create-timeout must be >= 0"
+            )
+        if self.slice_type is not None:
+            if not self.recreate:
+                raise ConfigError("--type makes the pod if it is missing: it goes with --recreate")
+            slice_type(self.slice_type)  # an unknown type: one line naming the known ones
+        if self.recreate and not (self.restart and self.sync):
+            # A recreated pod has new disks: without --sync the command would find no checkout there.
+            raise ConfigError("--recreate needs --restart and --sync (a recreated pod has empty disks)")
+
+
+def parse_env(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """K=V strings to pairs; a bad name would otherwise become part of the remote command."""
+    pairs = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not _ENV_NAME.match(name):
+            raise ConfigError(f"--env {item!r}: expected NAME=VALUE with NAME made of letters, digits and _")
+        pairs.append((name, value))
+    return tuple(pairs)

@@ -1,0 +1,244 @@
+"""Run the command on every worker and watch it: stop all on a failure or Ctrl-C, relaunch after preemption.
+
+One ``gcloud compute tpus tpu-vm ssh --worker=I`` per host, each output line
+prefixed with its host; when one host fails the others are stopped and the
+training is killed on every host (exactly the process groups this launch
+started). With ``restart`` a run that ended by preemption (exit 75: last.pt is
+saved, and ``resume=auto`` continues from it) or by a lost ssh connection (exit
+255) is relaunched once the TPU VM is READY again.
+"""
+
+from __future__ import annotations
+
+import queue
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from tpustream.errors import PREEMPTED_EXIT_CODE, TpustreamError
+from tpustream.pod import interrupts
+from tpustream.pod.commands import (
+    CONNECTION_LOST_EXIT_CODE,
+    cleanup_command,
+    leftovers_command,
+    new_run_id,
+    preflight_command,
+    process_tokens,
+    remote_run_command,
+    worker_commands,
+)
+from tpustream.pod.processes import STOP_TIMEOUT_SECONDS, Console, require_gcloud, run_streamed, start, stop
+from tpustream.pod.recreate import PodKeeper
+from tpustream.pod.spec import LaunchSpec
+from tpustream.pod.sync import sync
+
+RESTARTABLE = {
+    PREEMPTED_EXIT_CODE: "preempted; last.pt was saved",
+    CONNECTION_LOST_EXIT_CODE: "ssh connection lost",
+}
+CLEANUP_TIMEOUT_SECONDS = 300  # gcloud alone retries a lost connection for about a minute
+
+
+def _shell_exit_code(code: int) -> int:
+    """A Popen return code as a process exit code: killed by signal N -> 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """How one launch on all workers ended."""
+
+    # worker -> gcloud's exit code, for the workers that ended by themselves, in the order they ended
+    exits: dict[int, int]
+    stopped: tuple[int, ...] = ()  # workers the launcher stopped after another one failed
+    interrupted: bool = False  # Ctrl-C
+
+    @property
+    def ok(self) -> bool:
+        return not self.interrupted and not self.stopped and all(code == 0 for code in self.exits.values())
+
+    @property
+    def failures(self) -> dict[int, int]:
+        """Failed workers in the order they ended; the first is the likely cause."""
+        return {worker: code for worker, code in self.exits.items() if code != 0}
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return 130
+        failures = self.failures
+        if failures:
+            return _shell_exit_code(next(iter(failures.values())))
+        return 1 if self.stopped else 0
+
+    def restart_reason(self) -> str | None:
+        """Why relaunching may succeed, or None if the failure is final."""
+        if self.interrupted:
+            return None
+        for worker, code in self.failures.items():
+            if code in RESTARTABLE:
+                return f"worker {worker} exited with {code} ({RESTARTABLE[code]})"
+        return None
+
+    def summary(self) -> str:
+        parts = [f"worker {w} exited with {code}" for w, code in self.failures.items()]
+        if self.stopped:
+            parts.append(f"worker(s) {', '.join(map(str, self.stopped))} stopped by the launcher")
+        if self.interrupted:
+            parts.insert(0, "interrupted (Ctrl-C)")
+        return "; ".join(parts)
+
+
+def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Console) -> AttemptResult:
+    """Run the command on every worker at once and wait for all, or for a failure or a Ctrl-C.
+
+    After the first failure the others get ``spec.grace`` seconds to end by
+    themselves (after a preemption each host saves and exits 75 on its own),
+    then their gcloud processes are stopped: they would otherwise wait in a
+    collective for the failed host forever. A Ctrl-C stops them at once. From
+    the first start to the last stop it is polled, not raised (interrupts.deferred),
+    so every gcloud started is stopped whenever it comes.
+    """
+    events: queue.Queue[tuple[int, int]] = queue.Queue()
+    procs: dict[int, subprocess.Popen] = {}
+    relays: dict[int, list[threading.Thread]] = {}
+
+    def wait(worker: int, proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
+        code = proc.wait()
+        for reader in readers:
+            reader.join(STOP_TIMEOUT_SECONDS)  # its last lines come before the summary
+        events.put((worker, code))
+
+    exits: dict[int, int] = {}
+    stopped: list[int] = []
+    interrupted = False
+    with interrupts.deferred():
+        try:
+            for worker, argv in enumerate(worker_commands(spec, num_workers, run_id)):
+                if interrupts.received():
+                    break  # no training starts on the other hosts
+                procs[worker] = proc = start(argv)
+                relays[worker] = console.follow(proc, f"[worker {worker}] ")
+                threading.Thread(target=wait, args=(worker, proc, relays[worker]), daemon=True).start()
+            deadline: float | None = None
+            while (
+                len(exits) < num_workers
+                and not interrupts.received()
+                and (deadline is None or time.monotonic() < deadline)
+            ):
+                try:
+                    worker, code = events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                exits[worker] = code
+                if code != 0 and deadline is None and len(exits) < num_workers:
+                    deadline = time.monotonic() + spec.grace
+                    console.say(
+                        f"worker {worker} exited with {code}; the other workers get {spec.grace:g}s to "
+                        "end on their own before they are stopped"
+                    )
+        except KeyboardInterrupt:  # SIGINT left to Python: launch_pod called outside main()
+            interrupted = True
+        finally:  # also when a start fails: the workers started before it are stopped
+            interrupted = interrupted or interrupts.received()
+            for worker, proc in procs.items():
+                if worker in exits:
+                    continue
+                stop(proc)
+                for reader in relays[worker]:
+                    reader.join(STOP_TIMEOUT_SECONDS)
+                if proc.returncode is not None and proc.returncode >= 0 and not interrupted:
+                    exits[worker] = proc.returncode  # it ended by itself just before being stopped
+                else:
+                    stopped.append(worker)
+        interrupted = interrupted or interrupts.received()  # also one that came while stopping
+    return AttemptResult(exits, tuple(stopped), interrupted)
+
+
+def cleanup(spec: LaunchSpec, run_id: str, console: Console) -> bool:
+    """Stop this launch's training on every host; gcloud ssh ending does not end the remote command."""
+    console.say(f"stopping `{' '.join(process_tokens(spec.command))}` of run {run_id} on every worker")
+    code = run_streamed(cleanup_command(spec, run_id), console, "[cleanup] ", timeout=CLEANUP_TIMEOUT_SECONDS)
+    if code != 0:
+        check = leftovers_command(spec, run_id)
+        console.say(
+            f"the cleanup failed (gcloud exit code {code}): the training may still run on some workers; "
+            f"check with: {shlex.join(check)}"
+        )
+    return code == 0
+
+
+def check_ssh(spec: LaunchSpec) -> None:
+    """ssh to worker 0 once, attached to the terminal: gcloud may ask about creating a key."""
+    code = subprocess.call(preflight_command(spec))
+    if code != 0:
+        raise TpustreamError(f"cannot ssh to worker 0 of TPU {spec.tpu} (gcloud exit code {code}; see above)")
+
+
+def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Run spec.command on every worker until it succeeds, fails for good or runs out of restarts.
+
+    Returns 0 if every worker exited 0, else the exit code of the first worker
+    that failed (130 after Ctrl-C: see interrupts for how it is never lost).
+    """
+    require_gcloud(spec)
+    console = Console()
+    pod = PodKeeper(spec, console, sleep)
+    try:
+        return _launch(spec, pod, console)
+    finally:
+        pod.farewell()
+
+
+def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
+    info = pod.first()
+    num_workers = spec.num_workers
+    if num_workers is None:
+        if not info or not info.num_workers:
+            state = info.state if info else "UNKNOWN"
+            raise TpustreamError(f"TPU {spec.tpu} is {state} but lists no networkEndpoints (hosts)")
+        num_workers = info.num_workers
+    # One per launch: a restart's commands rewrite the pid files only after the cleanup has read them.
+    run_id = new_run_id()
+    first = remote_run_command(spec, 0, run_id)
+    console.say(f"TPU {spec.tpu}: {num_workers} worker(s), run {run_id}; worker 0 runs: {first}")
+    restarts = 0
+    while True:
+        if spec.sync:
+            sync(spec, console)  # again after a restart: a recreated TPU VM has new disks
+        else:
+            check_ssh(spec)
+        # From the first start to the end of the cleanup, the first Ctrl-C is only recorded:
+        # the workers are stopped and cleaned up after, as after a failure; a second one
+        # abandons the cleanup. One that comes as the workers end still counts (exit 130).
+        with interrupts.deferred(up_to=1):
+            result = run_workers(spec, num_workers, run_id, console)
+            if interrupts.received():
+                result = replace(result, interrupted=True)
+            if result.ok:
+                console.say(f"all {num_workers} worker(s) exited with 0")
+                return 0
+            console.say(result.summary())
+            cleaned = cleanup(spec, run_id, console)
+        if interrupts.received():  # during the cleanup, which it let finish
+            result = replace(result, interrupted=True)
+        reason = result.restart_reason()
+        if reason is None or not spec.restart:
+            if reason:
+                console.say(f"{reason}: --restart would relaunch the same command (it resumes from last.pt)")
+            return result.exit_code
+        if restarts >= spec.max_restarts:
+            console.say(f"{reason}, but the {spec.max_restarts} restart(s) of --max-restarts are used up")
+            return result.exit_code
+        restarts += 1
+        console.say(
+            f"restart {restarts} of {spec.max_restarts}: {reason}; waiting for TPU {spec.tpu} to be READY"
+        )
+        info = pod.ready()
+        if spec.num_workers is None:
+            num_workers = info.num_workers
+        if not cleaned and not pod.fresh:
+            cleanup(spec, run_id, console)  # the hosts may have been unreachable the first time
