@@ -245,7 +245,7 @@ def describe(rows: list[dict[str, Any]], stages: dict[str, float]) -> str:
             f"| {rate / (workers * base):.2f} | {row['replica_ms_per_batch']:.1f} "
             f"| {row['replica_cores']:.2f} | {float(np.mean(row['worker_cores'])):.2f} |"
         )
-    window = "the crop's window alone; " if stages["window_decoding"] else "no window decoder built;"
+    window = "the crop's window alone;" if stages["window_decoding"] else "no window decoder built;"
     lines.append(
         f"stages, ms per image in one process ({stages['images']} images): read {stages['read_ms']:.3f}, "
         f"decode {stages['decode_ms']:.3f} ({window} the whole image: "
