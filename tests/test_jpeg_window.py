@@ -116,7 +116,7 @@ def test_without_a_compiler_images_are_decoded_whole_and_the_reason_logged(
     monkeypatch, jpegs, caplog, tmp_path
 ):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    jpeg_window.window_decoder.cache_clear()
+    jpeg_window.forget_decoder()
     try:
         with caplog.at_level(logging.WARNING, logger="tpustream.data.format.jpeg_window"):
             assert jpeg_window.window_decoder() is None
@@ -128,13 +128,13 @@ def test_without_a_compiler_images_are_decoded_whole_and_the_reason_logged(
 
         assert decode_crop(jpegs["4:2:0"], plan, 224, 3).shape == (3, 224, 224)
         monkeypatch.setenv(jpeg_window.ENV_SWITCH, "0")
-        jpeg_window.window_decoder.cache_clear()
+        jpeg_window.forget_decoder()
         with caplog.at_level(logging.INFO, logger="tpustream.data.format.jpeg_window"):
             assert jpeg_window.window_decoder() is None
         assert "cropped JPEG decoding off (TPUSTREAM_JPEG_WINDOW=0)" in caplog.text
     finally:
         monkeypatch.undo()
-        jpeg_window.window_decoder.cache_clear()
+        jpeg_window.forget_decoder()
 
 
 @needs_decoder

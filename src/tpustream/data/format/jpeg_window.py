@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def build(library: str, compiler: str) -> Path:
             return target
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".{name}.{os.getpid()}.tmp"
+            partial = folder / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
             command = [
                 compiler, "-O2", "-shared", "-fPIC", f"-I{INCLUDE}", str(SOURCE), library,
                 f"-Wl,-rpath,{os.path.dirname(library)}", "-o", str(partial),
@@ -129,9 +130,24 @@ def _bind(path: Path) -> WindowDecoder:
     return decode_window
 
 
-@functools.cache
+# The first call builds or loads: once, though replicas may be threads of one process (TPU v2/v3).
+_first_call = threading.Lock()
+
+
 def window_decoder() -> WindowDecoder | None:
     """The compiled window decoder of this process, built if needed; None (logged once) where it cannot be."""
+    with _first_call:
+        return _window_decoder()
+
+
+def forget_decoder() -> None:
+    """The next window_decoder() decides again (after $CC or the off switch changed)."""
+    with _first_call:
+        _window_decoder.cache_clear()
+
+
+@functools.cache
+def _window_decoder() -> WindowDecoder | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         log.info("cropped JPEG decoding off (%s=0): decoding whole images", ENV_SWITCH)
         return None
