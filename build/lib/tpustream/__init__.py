@@ -1,1 +1,0 @@
-"""tpustream: stream WebDataset shards from GCS into every core of a TPU pod."""

@@ -1,1 +1,0 @@
-"""Reading a replica's share of a split every epoch: plan, stages, decoding, batches, the loader."""

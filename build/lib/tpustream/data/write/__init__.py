@@ -1,1 +1,0 @@
-"""Writing a split's WebDataset shards and manifest (``tpustream-make-shards``)."""
