@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import numpy as np
 import pytest
@@ -127,6 +128,12 @@ def test_without_a_compiler_images_are_decoded_whole_and_the_reason_logged(
             return random_resized_plan(h, w, 224, SampleRandom(1, 0, 0), True)
 
         assert decode_crop(jpegs["4:2:0"], plan, 224, 3).shape == (3, 224, 224)
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        jpeg_window.forget_decoder()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tpustream.data.format.jpeg_window"):
+            assert jpeg_window.window_decoder() is None
+        assert re.search(r"unavailable \(OSError: \S*/false failed \(no output\)\)", caplog.text)
         monkeypatch.setenv(jpeg_window.ENV_SWITCH, "0")
         jpeg_window.forget_decoder()
         with caplog.at_level(logging.INFO, logger="tpustream.data.format.jpeg_window"):

@@ -55,8 +55,10 @@ def find_libjpeg() -> str | None:
     except ImportError:  # pragma: no cover - Pillow is a dependency
         candidates = []
     else:
-        wheel_libraries = Path(PIL.__file__).parent.parent / "pillow.libs"
-        candidates = sorted(glob.glob(str(wheel_libraries / "libjpeg*.so.62*")))
+        # Linux wheels carry it in pillow.libs/, macOS ones in PIL/.dylibs/ (not tried here).
+        package = Path(PIL.__file__).parent
+        candidates = sorted(glob.glob(str(package.parent / "pillow.libs" / "libjpeg*.so.62*")))
+        candidates += sorted(glob.glob(str(package / ".dylibs" / "libjpeg.62*.dylib")))
     for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
         candidates += sorted(glob.glob(f"{folder}/libjpeg.so.62*"))
     for path in candidates:
@@ -71,7 +73,8 @@ def find_libjpeg() -> str | None:
 
 def _cache_folders() -> list[Path]:
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [Path(home) / "tpustream", Path(tempfile.gettempdir()) / f"tpustream-{os.getuid()}"]
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return [Path(home) / "tpustream", Path(tempfile.gettempdir()) / f"tpustream-{user}"]
 
 
 def build(library: str, compiler: str) -> Path:
@@ -103,7 +106,8 @@ def build(library: str, compiler: str) -> Path:
             os.replace(partial, target)
             return target
         except subprocess.CalledProcessError as exc:
-            raise OSError(f"{compiler} failed: {exc.stderr.strip().splitlines()[-1:]}") from None
+            last_line = (exc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise OSError(f"{compiler} failed ({last_line})") from None
         except OSError as exc:  # a folder that cannot be written: the next one
             errors.append(f"{folder}: {exc}")
     raise OSError("; ".join(errors))
@@ -161,8 +165,8 @@ def _window_decoder() -> WindowDecoder | None:
     else:
         try:
             return _bind(build(library, compiler))
-        except OSError as exc:
-            reason = str(exc)
+        except Exception as exc:  # whatever stops the build or the load leaves whole-image decoding
+            reason = f"{exc.__class__.__name__}: {exc}"
     log.warning(
         "cropped JPEG decoding unavailable (%s): decoding whole images, about 10%% fewer images/s a core",
         reason,
