@@ -166,7 +166,7 @@ def test_threads_per_core_reads_the_kernels_cpu_lists(listing, count):
 
 
 def test_a_traced_rows_result_says_where_its_gpu_time_went(tmp_path):
-    from tests.test_bench_trace_gaps import two_steps
+    from tests.test_trace_gaps import two_steps
 
     folder = tmp_path / "tpustream-w8"
     traces = folder / "tensorboard" / "profile-steps-30-32"

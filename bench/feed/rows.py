@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import trace_gaps
 from bench.ab import REPO, train_command
+from tpustream.observe import trace_gaps
 from tpustream.observe.advice import mean_of, measured
 
 # What the run measured about its own input, where its metrics.jsonl has it.

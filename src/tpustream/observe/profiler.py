@@ -12,6 +12,7 @@ import os
 import socket
 import tempfile
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class TraceCapture:
     """
 
     kind = "XLA"
+    summary: str | None = None  # what the trace says, logged with where it is (torch's on a GPU)
 
     def __init__(self, output_dir: str, name: str):
         from tpustream import storage
@@ -132,6 +134,18 @@ class TraceCapture:
         xp.stop_trace()
 
 
+def gpu_idle_summary(path: str) -> str | None:
+    """observe.trace_gaps' line for a trace with GPU work, else None; a failure is only a warning."""
+    from tpustream.observe import trace_gaps
+
+    try:
+        found = trace_gaps.summarise(trace_gaps.load_events(Path(path)))
+    except Exception as exc:
+        log.warning("trace %s not summarised (%s: %s)", path, exc.__class__.__name__, exc)
+        return None
+    return None if "error" in found else trace_gaps.describe("GPU", found)
+
+
 class TorchTraceCapture(TraceCapture):
     """The native runtime's trace: torch.profiler (Kineto) over the window, a gzipped Chrome trace.
 
@@ -152,6 +166,7 @@ class TorchTraceCapture(TraceCapture):
         super().__init__(output_dir, name)
         self.cuda = cuda
         self.profiler = None
+        self.summary: str | None = None  # on a GPU: where its idle time in the window went
         self.step_mark = None  # the record_function of the step under way
 
     def mark_step(self, step: int) -> None:
@@ -181,4 +196,7 @@ class TorchTraceCapture(TraceCapture):
         profiler, self.profiler = self.profiler, None
         profiler.stop()
         name = f"{socket.gethostname()}_{os.getpid()}.{int(time.time() * 1000)}.pt.trace.json.gz"
-        profiler.export_chrome_trace(os.path.join(self.local_dir, name))
+        path = os.path.join(self.local_dir, name)
+        profiler.export_chrome_trace(path)
+        if self.cuda:
+            self.summary = gpu_idle_summary(path)

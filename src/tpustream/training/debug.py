@@ -58,6 +58,8 @@ class DebugChecks:
         where = trace.stop()
         if where is not None:
             log.info("%s trace of %s in %s (%s)", trace.kind, what, where, READERS[trace.kind])
+            if trace.summary:
+                log.info("%s", trace.summary)
 
     @contextlib.contextmanager
     def profiling_evaluation(self, epoch: int, name: str):

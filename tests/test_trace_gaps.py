@@ -1,4 +1,4 @@
-"""bench.trace_gaps: a traced GPU's idle time between kernels, split by what the next kernel waited for."""
+"""observe.trace_gaps: a traced GPU's idle time between kernels, split by what the next kernel waited for."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import trace_gaps
+from tpustream.observe import trace_gaps
 
 HOST, COMPUTE, COPY = (100, 1), (0, 7), (0, 20)  # (pid, tid): the training thread, two GPU streams
 
@@ -98,3 +98,17 @@ def test_a_kernel_whose_launch_is_not_traced_still_counts_inside_the_window():
     # 1100-1150 has no launch to read; 1250-1300 waited on another stream as before.
     assert found["idle_by_cause_ms"]["unknown"] == pytest.approx(0.05)
     assert found["idle_by_cause_ms"]["other stream"] == pytest.approx(0.05)
+
+
+def test_a_gpu_capture_logs_the_split_with_the_trace_and_a_cpu_one_nothing(tmp_path):
+    from tpustream.observe.profiler import gpu_idle_summary
+
+    path = tmp_path / "host_1.2.pt.trace.json.gz"
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": two_steps()}, handle)
+    assert gpu_idle_summary(str(path)).startswith("GPU: 2 steps, 1.5 ms of device work, compute stream idle")
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": [on(HOST, "cpu_op", "aten::add", 0, 5)]}, handle)
+    assert gpu_idle_summary(str(path)) is None
+    path.write_text("not a trace")
+    assert gpu_idle_summary(str(path)) is None  # a warning, never an error

@@ -1,8 +1,9 @@
-"""Where a traced GPU stood idle, and why: python -m bench.trace_gaps TRACE_OR_FOLDER [...]
+"""Where a traced GPU stood idle, and why: python -m tpustream.observe.trace_gaps TRACE_OR_FOLDER [...]
 
 Reads a torch.profiler trace of training steps (``debug.profile_steps`` on the
 native runtime writes one: ``tensorboard/profile-steps-S-E/*.pt.trace.json.gz``;
-``python -m bench.feed --trace-steps S,E`` makes one per row) and splits the
+``python -m bench.feed --trace-steps S,E`` makes one per row; the capture logs
+this summary itself when it stops) and splits the
 compute stream's idle time during those steps by what the kernel after each gap
 was waiting for:
 
@@ -217,7 +218,9 @@ def describe(name: str, found: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.trace_gaps", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tpustream.observe.trace_gaps", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("paths", nargs="+", type=Path, help="trace files, or folders to search for them")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     args = parser.parse_args(argv)
