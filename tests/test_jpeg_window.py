@@ -153,3 +153,12 @@ def test_a_build_is_made_once_and_found_again(tmp_path, monkeypatch):
     stamp = built.stat().st_mtime_ns
     assert jpeg_window.build(library, compiler) == built and built.stat().st_mtime_ns == stamp
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no partial file left
+
+
+@needs_decoder
+def test_any_buffer_of_bytes_is_read_in_place(jpegs):
+    decode = jpeg_window.window_decoder()
+    data = jpegs["4:2:0"]
+    expected = decode(data, 2, False, 10, 20, 110, 70)
+    for buffer in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
+        assert np.array_equal(decode(buffer, 2, False, 10, 20, 110, 70), expected)

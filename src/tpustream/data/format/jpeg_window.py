@@ -116,7 +116,7 @@ def build(library: str, compiler: str) -> Path:
 def _bind(path: Path) -> WindowDecoder:
     library = ctypes.CDLL(str(path))
     decode = library.tps_jpeg_decode_window
-    decode.argtypes = [ctypes.c_char_p, ctypes.c_ulong, *[ctypes.c_int] * 6, ctypes.c_void_p, ctypes.c_char_p]
+    decode.argtypes = [ctypes.c_void_p, ctypes.c_ulong, *[ctypes.c_int] * 6, ctypes.c_void_p, ctypes.c_char_p]
     decode.restype = ctypes.c_int
     message_size = library.tps_jpeg_message_size()
 
@@ -126,8 +126,20 @@ def _bind(path: Path) -> WindowDecoder:
         """(bottom - top, right - left, 1 or 3) uint8 pixels; ValueError with libjpeg's reason if not."""
         out = np.empty((bottom - top, right - left, 1 if grey else 3), np.uint8)
         message = ctypes.create_string_buffer(message_size)
+        source = np.frombuffer(data, np.uint8)  # bytes or any buffer, not copied; kept alive here
         # ctypes releases the GIL for the call.
-        if decode(data, len(data), denominator, grey, left, top, right, bottom, out.ctypes.data, message):
+        if decode(
+            source.ctypes.data,
+            source.size,
+            denominator,
+            grey,
+            left,
+            top,
+            right,
+            bottom,
+            out.ctypes.data,
+            message,
+        ):
             raise ValueError(message.value.decode(errors="replace"))
         return out
 
