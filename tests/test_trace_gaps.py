@@ -71,6 +71,8 @@ def test_without_step_marks_the_whole_trace_counts_and_unlinked_kernels_are_unkn
     events = [*launched(1, 0, "kernel", 10, 10), on(COMPUTE, "kernel", "graph replay", 40, 10)]
     found = trace_gaps.summarise(events)
     assert found["steps"] == 0 and found["idle_by_cause_ms"]["unknown"] == pytest.approx(0.02)
+    described = trace_gaps.describe("GPU", found)
+    assert described.startswith("GPU: no step marks (an evaluation: the whole trace), ")
 
 
 def test_a_batch_copied_on_the_compute_stream_is_counted():

@@ -205,8 +205,9 @@ def describe(name: str, found: dict[str, Any]) -> str:
         if ms > 0
     )
     idle = f"{found['idle_ms']:.1f} ms ({found['idle_fraction']:.1%})"
+    steps = f"{found['steps']} steps" if found["steps"] else "no step marks (an evaluation: the whole trace)"
     lines = [
-        f"{name}: {found['steps']} steps, {found['window_ms']:.1f} ms of device work, "
+        f"{name}: {steps}, {found['window_ms']:.1f} ms of device work, "
         f"compute stream idle {idle} in {found['gaps']} gaps: {causes or 'none'}"
     ]
     if found["host_ops_ms"]:
