@@ -3,6 +3,7 @@
 - ``tensorboard``: scalars under ``<output_dir>/tensorboard/`` (uploaded for gs://);
 - ``xla``: compile/transfer/fallback metrics and recompile watches;
 - ``profiler``: the XLA profiler server per replica, traces (XLA or torch.profiler) captured on demand;
+- ``trace_gaps``: where a torch.profiler trace's GPU stood idle between kernels, and why;
 - ``flops``: the model's FLOPs per training sample, counted once on the meta device;
 - ``chips``: TPU peak FLOP/s per chip and model FLOPs utilisation (MFU);
 - ``timing``: where an epoch's time goes (input wait, compile, step, saving).
