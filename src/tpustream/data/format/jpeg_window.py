@@ -104,6 +104,7 @@ def build(library: str, compiler: str) -> Path:
                 command, check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_SECONDS
             )
             os.replace(partial, target)
+            log.info("built the cropped JPEG decoder %s (against %s)", target, library)
             return target
         except subprocess.CalledProcessError as exc:
             last_line = (exc.stderr.strip().splitlines() or ["no output"])[-1]
