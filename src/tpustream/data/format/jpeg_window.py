@@ -19,6 +19,7 @@ decoded whole, as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
@@ -93,9 +94,9 @@ def build(library: str, compiler: str) -> Path:
         target = folder / name
         if target.exists():
             return target
+        partial = folder / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
             command = [
                 compiler, "-O2", "-shared", "-fPIC", f"-I{INCLUDE}", str(SOURCE), library,
                 f"-Wl,-rpath,{os.path.dirname(library)}", "-o", str(partial),
@@ -111,6 +112,9 @@ def build(library: str, compiler: str) -> Path:
             raise OSError(f"{compiler} failed ({last_line})") from None
         except OSError as exc:  # a folder that cannot be written: the next one
             errors.append(f"{folder}: {exc}")
+        finally:  # a compile that failed or timed out leaves no partial file
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
     raise OSError("; ".join(errors))
 
 
