@@ -162,3 +162,12 @@ def test_any_buffer_of_bytes_is_read_in_place(jpegs):
     expected = decode(data, 2, False, 10, 20, 110, 70)
     for buffer in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
         assert np.array_equal(decode(buffer, 2, False, 10, 20, 110, 70), expected)
+
+
+@needs_decoder
+def test_an_unwritable_cache_falls_back_to_the_temporary_folder(tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    built = jpeg_window.build(jpeg_window.find_libjpeg(), "cc")
+    assert built.parent == jpeg_window._cache_folders()[1] and built.exists()
