@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from tpustream.errors import DataError
+from tpustream.observe.profiler import TorchTraceCapture
 from tpustream.observe.timing import timed
 from tpustream.runtime.native import host_copy
 from tpustream.runtime.staging import HostStaging
@@ -166,6 +167,9 @@ class FakeRuntime:
 
     def set_rng_state(self, state: int) -> None:
         self._rng = state
+
+    def trace_capture(self, output_dir: str, name: str) -> TorchTraceCapture:
+        return TorchTraceCapture(output_dir, name, cuda=False)
 
     def wait_device_ops(self) -> None:
         pass

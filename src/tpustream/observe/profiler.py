@@ -7,6 +7,8 @@ A busy port or a failed capture is a warning, never an error.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -150,7 +152,7 @@ class TorchTraceCapture(TraceCapture):
     """The native runtime's trace: torch.profiler (Kineto) over the window, a gzipped Chrome trace.
 
     The training thread's operators, and the ones autograd's thread runs for
-    it, with their Python call sites (with_stack), and on a GPU every kernel
+    it, and on a GPU every kernel
     and copy on every stream (CUPTI: the copy stream's batch copies, and
     kernels queued from other threads, such as data.decode=device's). The
     loader's waits for a batch are marked "input wait" (observe.timing.timed)
@@ -188,10 +190,24 @@ class TorchTraceCapture(TraceCapture):
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.profiler = profile(activities=activities, with_stack=True)
+        # No with_stack: with Python's call sites recorded, a process that exited
+        # while the profiler ran (a stop or an error inside the window) hung in its
+        # Python tracer's destructor (torch 2.9, seen here); the exit handler below
+        # alone prevents that too (tests/test_debug.py), and both are kept.
+        self.profiler = profile(activities=activities)
         self.profiler.start()
+        atexit.register(self._abandon)
+
+    def _abandon(self) -> None:
+        """At exit, a capture the run never reached the end of is stopped, not written."""
+        self._end_step()
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            with contextlib.suppress(Exception):
+                profiler.stop()
 
     def _stop(self) -> None:
+        atexit.unregister(self._abandon)
         self._end_step()
         profiler, self.profiler = self.profiler, None
         profiler.stop()

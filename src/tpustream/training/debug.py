@@ -61,6 +61,12 @@ class DebugChecks:
             if trace.summary:
                 log.info("%s", trace.summary)
 
+    def finish(self, global_step: int) -> None:
+        """Training ended inside debug.profile_steps' window: the trace of the steps it had is written."""
+        if self.trace is not None and self.cfg.profile_steps:
+            start, end = self.cfg.profile_steps
+            self._stop_trace(f"global steps {start + 1} to {global_step} (the run ended before step {end})")
+
     @contextlib.contextmanager
     def profiling_evaluation(self, epoch: int, name: str):
         """debug.profile_eval_epoch: the evaluation of this epoch (the model's, not the average's) traced."""

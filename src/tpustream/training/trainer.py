@@ -373,6 +373,7 @@ class Trainer(StepHooks):
                     self._run_epochs()
         finally:
             self.reporter.close()
+        self.debug.finish(self.global_step)  # a trace window the run did not reach the end of
         self.runtime.wait_device_ops()
         self.checkpoints.raise_if_unsaved()
         return {"best_accuracy": self.best_accuracy, "best_epoch": self.best_epoch, "history": self.history}
