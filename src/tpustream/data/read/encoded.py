@@ -63,23 +63,16 @@ def blank_image(channels: int, size: int) -> EncodedImage:
 def encode_crop(data: bytes, choose: Chooser, size: int, channels: int, use_dct: bool = True) -> EncodedImage:
     """The JPEG as it is with its plan, drawn from its header; anything else decoded here (decode_crop).
 
-    `choose` is called once, as on the host path: a JPEG the device cannot
-    take after its header was read is cropped here with the same plan.
+    `choose` is called once, as on the host path: here for a JPEG the device
+    takes, else by decode_crop (which draws once however it reads the image).
     """
-    plans: list[CropPlan] = []
-
-    def plan_once(height: int, width: int) -> CropPlan:
-        if not plans:
-            plans.append(choose(height, width))
-        return plans[0]
-
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:  # not a JPEG, or a header TurboJPEG refuses
         colorspace = None
     if colorspace is not None and colorspace not in PIL_COLORSPACES:
-        return EncodedImage(data, plan_once(height, width))
-    pixels = decode_crop(data, plan_once, size, channels, use_dct)
+        return EncodedImage(data, choose(height, width))
+    pixels = decode_crop(data, choose, size, channels, use_dct)
     return EncodedImage(np.ascontiguousarray(pixels).tobytes())
 
 
