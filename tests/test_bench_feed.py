@@ -106,6 +106,7 @@ def measured_rows(rates: dict[str, float | None]) -> list[Row]:
         kind, _, workers = name.partition(" w=")
         row = Row(name, kind, int(workers) if workers else None, Path(name), [])
         row.result = {"images_per_second": rate, "input_wait_fraction": 0.25 if rate else None}
+        row.result["input_making_share"] = 0.5 if rate and kind == "tpustream" else None
         if rate is None:
             row.result["error"] = "timed out"
         found.append(row)
@@ -129,8 +130,8 @@ def test_ratios_are_against_synthetic_and_the_fastest_stock_row():
     found = report.goals(table)
     assert found["row"] == "tpustream w=8" and found["of_synthetic_met"] and found["of_stock_met"]
     text = report.format_table(table)
-    assert "| tpustream | 8 | 3,900.0 | 0.97 | 1.95x | - | 25.0% |  |" in text
-    assert "| tpustream | 15 | - | - | - | - | - | timed out |" in text
+    assert "| tpustream | 8 | 3,900.0 | 0.97 | 1.95x | - | 25.0% | 50.0% |  |" in text
+    assert "| tpustream | 15 | - | - | - | - | - | - | timed out |" in text
     assert "(>= 0.95: met), 1.95x stock (>= 1.7x: met)" in report.describe_goals(found)
 
 

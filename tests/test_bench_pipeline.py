@@ -76,3 +76,6 @@ def test_receiving_times_the_pieces_it_receives():
     assert row["pieces"] == 40 and row["workers"] == 2
     assert 0 < row["cpu_us_per_piece"] <= row["wall_us_per_piece"] + 1  # one thread: CPU within wall
     assert row["cpu_ms_per_batch"] == pytest.approx(row["cpu_us_per_piece"] * 2 / 1000)
+    # Beside a thread that holds the GIL in pure Python, a piece waits for it (up to 5 ms each).
+    row = receiving.measure(1, 40, contender="python")
+    assert row["wall_us_per_piece"] > 3 * row["cpu_us_per_piece"]

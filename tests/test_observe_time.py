@@ -8,6 +8,7 @@ from tests.fake_runtime import tiny_config
 from tpustream.checkpoint import read_metrics
 from tpustream.observe.chips import CHIPS, Chip, chip_from_accelerator_type, mfu
 from tpustream.observe.flops import forward_flops_per_sample, training_flops_per_sample
+from tpustream.observe.timing import BatchWaits, Breakdown, LoopTimer, reduce_breakdowns
 
 
 def test_resnet50_at_224_is_the_published_4_1_g_multiply_adds():
@@ -122,6 +123,46 @@ def test_advice_names_what_to_change_only_when_it_applies():
     assert finding.startswith("host-bound: training waited for checkpoints up to 20% of an epoch")
     # Writing in the background while training goes on is not host-bound: only the stall counts.
     assert advise(records([0.1, 0.0, 0.0], saving=0.05, writing=8.0)) == []
+
+
+def test_a_wait_is_for_the_making_until_the_batch_was_made_and_for_its_delivery_after():
+    waits = BatchWaits()
+    assert waits.making_share() is None  # nothing waited: nothing to split
+    waits.add(asked=10.0, got=10.5, made=10.2)  # 0.2 s of making, then 0.3 s of delivery
+    waits.add(asked=11.0, got=11.1, made=9.0)  # made before it was asked for: all delivery
+    waits.add(asked=12.0, got=12.4, made=12.4)  # made as it arrived (no workers): all making
+    waits.add(asked=13.0, got=13.2, made=None)  # a batch without a stamp: left out
+    assert waits.seconds == pytest.approx(1.0) and waits.making_seconds == pytest.approx(0.6)
+    assert waits.making_share() == pytest.approx(0.6)
+    waits.add(asked=14.0, got=14.1, made=15.0)  # a stamp past the arrival counts the wait, no more
+    assert waits.making_share() == pytest.approx(0.7 / 1.1)
+
+
+def test_an_epoch_takes_its_sources_split_and_replicas_report_it_only_when_all_have_one():
+    class Source:
+        waits = BatchWaits(seconds=2.0, making_seconds=0.5)
+
+    assert LoopTimer(lambda: 0.0, Source()).breakdown(0.0, 0.0).input_making_share == 0.25
+    assert LoopTimer(lambda: 0.0, object()).breakdown(0.0, 0.0).input_making_share is None
+
+    def replica(making: float | None) -> Breakdown:
+        return Breakdown(10.0, 3.0, 0.0, 0.0, input_making_share=making)
+
+    assert reduce_breakdowns([replica(0.2), replica(0.4)])["input_making_share"] == pytest.approx(0.3)
+    assert "input_making_share" not in reduce_breakdowns([replica(0.2), replica(None)])
+
+
+def test_a_run_whose_workers_were_ahead_is_not_told_to_add_workers():
+    from tpustream.observe.advice import advise
+
+    late = [{**record, "input_making_share": 0.1} for record in records([0.6, 0.5, 0.5])]
+    (finding,) = advise(late, num_workers=2, cpus=8)
+    assert finding.startswith("input-bound: the training thread waited for batches 50% of the time")
+    assert "the workers were not what it waited for: 90% of the loader's waits came after" in finding
+    assert "num_workers" not in finding and "debug.profile_steps" in finding
+    slow = [{**record, "input_making_share": 0.9} for record in records([0.6, 0.5, 0.5])]
+    (finding,) = advise(slow, num_workers=2, cpus=8)
+    assert "raise data.num_workers from 2 to about 5" in finding
 
 
 def test_a_starved_run_is_told_to_raise_num_workers(fake_job, tmp_path, caplog):

@@ -6,6 +6,7 @@ import io
 import itertools
 import logging
 import re
+import time
 import uuid
 from collections import Counter
 
@@ -417,6 +418,7 @@ def raw_batches(
         # len() after the iterator has taken its length, which makes
         # DataLoader warn after set_epoch.
         for batch in loader.assembled():
+            assert batch.pop("made") <= time.monotonic()  # when it was made: differs run to run
             batches.append(batch)
     loader.close()
     return batches
@@ -746,3 +748,37 @@ def test_a_user_stage_must_keep_the_padding_flag(uneven_split):
 
     with pytest.raises(ConfigError, match=r"tests.user_stages:fresh_dicts.*without its '__real__' key"):
         list(make_loader(stream(uneven_split, train=False, stages=["tests.user_stages:fresh_dicts"]), 0))
+
+
+def pass_waits(loader: CountingLoader, epoch: int) -> float:
+    """The share of the pass's waits for batches not yet made (the loader's BatchWaits)."""
+    loader.set_epoch(epoch)
+    for _ in loader:
+        pass
+    share = loader.waits.making_share()
+    assert share is not None and loader.waits.seconds > 0
+    return share
+
+
+def test_the_loader_tells_waits_for_slow_workers_from_waits_for_a_slow_delivery(uneven_split, monkeypatch):
+    """Workers making batches slowly: the waits were for the making; workers ahead of a slow
+    receiving thread: for the delivery (measured on 2 cores: 0.99 and 0.02)."""
+    from tpustream.data.read import assemble
+
+    slow = make_loader(
+        stream(uneven_split, train=False, batch=4, workers=2, stages=["tests.user_stages:slow"]), 2
+    )
+    assert pass_waits(slow, 0) > 0.7  # 4 samples of 30 ms a batch, nothing after
+    slow.close()
+
+    join = assemble.join_pieces
+
+    def slow_join(pieces: list[dict]) -> dict:
+        time.sleep(0.04)  # the receiving thread, 40 ms a batch; the workers, a few ms
+        return join(pieces)
+
+    monkeypatch.setattr(assemble, "join_pieces", slow_join)
+    late = make_loader(stream(uneven_split, train=False, batch=4, workers=2), 2)
+    pass_waits(late, 0)  # its first waits may include the workers' start-up: making
+    assert pass_waits(late, 1) < 0.3
+    late.close()

@@ -45,7 +45,10 @@ metrics.jsonl's global_rate; "of synthetic" divides it by synthetic's rate,
 "of stock" by the fastest stock row's. input-bound is the run's own
 input_bound_fraction (the GPU idle waiting for input, from CUDA events;
 train.py only) and host wait its input_wait_fraction (the loop's wait for
-a batch), both over the same epochs. One difference in the clocks: train.py's
+a batch), both over the same epochs; "of it making" is its
+input_making_share, the part of the loader's waits spent on batches whose
+last piece the workers had not made yet (the rest came after: receiving,
+the copy out of shared memory, decoding on the GPU). One difference in the clocks: train.py's
 epoch ends when the CUDA event before its last step has passed
 (observe.idle), the stock loop's after torch.cuda.synchronize(), so a
 stock epoch also pays for its last step (under 2% at 51 steps an epoch).

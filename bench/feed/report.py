@@ -61,8 +61,9 @@ def times(value: float | None, suffix: str = "x") -> str:
 def format_table(rows: Sequence[Row]) -> str:
     """The markdown table: one line a row, "-" where a number was not measured."""
     lines = [
-        "| input | workers | images/s | of synthetic | of stock | input-bound | host wait | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| input | workers | images/s | of synthetic | of stock | input-bound | host wait | of it making "
+        "| note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in rows:
         result = row.result
@@ -75,6 +76,7 @@ def format_table(rows: Sequence[Row]) -> str:
             times(result.get("of_stock")),
             percent(result.get("input_bound_fraction")),
             percent(result.get("input_wait_fraction")),
+            percent(result.get("input_making_share")),
             result.get("error", ""),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -18,7 +18,7 @@ from tpustream.observe import trace_gaps
 from tpustream.observe.advice import mean_of, measured
 
 # What the run measured about its own input, where its metrics.jsonl has it.
-SHARES = ("input_bound_fraction", "input_wait_fraction")
+SHARES = ("input_bound_fraction", "input_wait_fraction", "input_making_share")
 # Lines of a failed row's output kept in results.json.
 TAIL_LINES = 30
 

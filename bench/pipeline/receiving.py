@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.pipeline.receiving --workers 15,16 --pieces 8000
     .venv/bin/python -m bench.pipeline.receiving --workers 2,4,8 --pieces 240 \
         --batch-bytes 17000000 --bytes-as numpy        # or tensor
+    .venv/bin/python -m bench.pipeline.receiving --workers 15 --contend python  # or torch
 
 A DataLoader like the trainer's (batch_size=None, the items as they are,
 persistent workers forked from a fork server, prefetch_factor 4) over
@@ -17,6 +18,13 @@ unpickling take from the replica's process per piece; times the workers,
 per batch. That thread holds the GIL for most of it: it is the most the
 receiving can take from a training thread sharing that GIL.
 
+--contend python|torch runs, beside the receiving thread, a thread that
+stands in for a training thread holding the GIL: a pure-Python loop (holds
+it until Python's switch interval takes it away, 5 ms) or a loop of small
+torch operations (each releases it while torch runs it, as an eager GPU
+step's launches do). The receiving thread's wall time a piece then shows
+what waiting for the GIL adds to its CPU time.
+
 --batch-bytes N adds to each piece its share of N bytes, as data.decode=device's
 pieces carry their JPEGs (about 17 MB a batch of 256 ImageNet JPEGs):
 --bytes-as tensor sends them as a torch tensor (DataLoader moves it into a
@@ -26,6 +34,7 @@ shared-memory file and sends its handle), numpy pickles them inline.
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections.abc import Iterator
 
@@ -63,7 +72,20 @@ def _unchanged(item: dict) -> dict:
     return item
 
 
-def measure(workers: int, pieces: int, batch_bytes: int = 0, bytes_as: str = "tensor") -> dict[str, float]:
+def contend(kind: str, stop: threading.Event) -> None:
+    """Hold the GIL as a training thread would, until stop: pure Python, or small torch operations."""
+    a, b = torch.ones(64), torch.ones(64)
+    while not stop.is_set():
+        for _ in range(200):
+            if kind == "python":
+                sum(range(50))
+            else:
+                a.add_(b)
+
+
+def measure(
+    workers: int, pieces: int, batch_bytes: int = 0, bytes_as: str = "tensor", contender: str | None = None
+) -> dict[str, float]:
     loader = DataLoader(
         Pieces(workers, pieces, batch_bytes, bytes_as),
         batch_size=None,
@@ -76,11 +98,18 @@ def measure(workers: int, pieces: int, batch_bytes: int = 0, bytes_as: str = "te
     items = iter(loader)
     for _ in range(WARM_UP):
         next(items)
+    stop = threading.Event()
+    other = threading.Thread(target=contend, args=(contender, stop), daemon=True) if contender else None
+    if other is not None:
+        other.start()
     start, cpu = time.perf_counter(), time.thread_time()
     received = 0
     for _ in zip(range(pieces), items, strict=False):
         received += 1
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    stop.set()
+    if other is not None:
+        other.join()
     items._shutdown_workers()
     return {
         "workers": workers,
@@ -103,11 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-bytes", type=int, default=0, help="bytes a batch's pieces carry between them"
     )
     parser.add_argument("--bytes-as", choices=("tensor", "numpy"), default="tensor", help="how they travel")
+    parser.add_argument(
+        "--contend", choices=("python", "torch"), help="a thread holding the GIL beside the receiving"
+    )
     args = parser.parse_args(argv)
     print("| workers | CPU us a piece | wall us a piece | CPU ms a batch of 256 |")
     print("| ---: | ---: | ---: | ---: |")
     for workers in (int(part) for part in args.workers.split(",")):
-        row = measure(workers, args.pieces, args.batch_bytes, args.bytes_as)
+        row = measure(workers, args.pieces, args.batch_bytes, args.bytes_as, args.contend)
         print(
             f"| {workers} | {row['cpu_us_per_piece']:.0f} | {row['wall_us_per_piece']:.0f} "
             f"| {row['cpu_ms_per_batch']:.2f} |",

@@ -27,6 +27,9 @@ WORKER_MARGIN = 1.25
 # A run this close to its synthetic rate (data.synthetic=true: the same step fed from one
 # device-resident batch) has nothing left to gain from its input.
 SYNTHETIC_ENOUGH = 0.95
+# Below this share of the loader's waits spent on batches not yet made (observe.timing.BatchWaits),
+# the workers were ahead: the replica's process delivered made batches late.
+MADE_LATE = 0.5
 # Steady rates of one configuration move by a few percent from run to run; a smaller gap
 # between two runs is not "slower".
 SLOWER_BY = 0.03
@@ -122,7 +125,10 @@ def advise(
     starved = input_finding(steady, synthetic_rate)
     if starved is not None:
         finding, share = starved
-        if share is not None:
+        making = mean_of(steady, "input_making_share")
+        if share is not None and making is not None and making < MADE_LATE:
+            finding += "; " + delivery_finding(making)
+        elif share is not None:
             finding += "; " + worker_change(
                 num_workers, share, host, shards_per_replica, max_workers, gpu_could_decode
             )
@@ -196,6 +202,16 @@ def input_finding(
             ), None
         return None
     return f"input-bound: {figure}", share
+
+
+def delivery_finding(making: float) -> str:
+    """An input-bound run whose workers had made most of the batches it waited for."""
+    return (
+        f"the workers were not what it waited for: {100 * (1 - making):.0f}% of the loader's waits "
+        "came after a batch's last piece was made (its delivery in the replica's process: receiving "
+        "the pieces, the copy out of shared memory, decoding on the device), so more workers cannot "
+        "help; debug.profile_steps shows where that process spends the time (docs/watching.md)"
+    )
 
 
 def worker_change(

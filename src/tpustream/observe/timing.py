@@ -13,6 +13,12 @@ CUDA) may still run the steps queued before it. Where the device loader can
 see the device's gaps between steps (``observe.idle``), it gives the wait a
 ``gaps`` object, and the epoch also gets the device's idle time and the part
 of it the input caused (input-bound).
+
+Whose lateness a wait was: each batch carries the moment its last piece was
+made (``MADE``: stamped where the data pipeline ends, in the DataLoader
+worker), and the loader splits its consumer's waits into waiting for the
+making (the workers' reading and decoding) and for the delivery after it
+(``BatchWaits``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,46 @@ class StepGaps(Protocol):
 
     def settle(self) -> tuple[float | None, float] | None:
         """(seconds the device idled between steps, the part the input caused); None: not measured."""
+
+
+# A batch's field: time.monotonic() when its last piece left a data pipeline (one clock for
+# every process of a host: CLOCK_MONOTONIC); the loader takes it out (data.read.loader).
+MADE = "made"
+
+
+def stamp_made(item: dict) -> dict:
+    """item with the moment it leaves a data pipeline (MADE), for the loader's BatchWaits."""
+    item[MADE] = time.monotonic()
+    return item
+
+
+@dataclass
+class BatchWaits:
+    """A loader's consumer's waits for one pass's batches, and the part of them spent on the making.
+
+    A wait from ``asked`` to ``got`` for a batch whose last piece was made at
+    ``made`` waited for the making until then (nothing where it was made
+    before the consumer asked) and for its delivery after: the pipe to the
+    replica's process, receiving and joining the pieces, the copy out of the
+    shared slot (the pin), decoding on the device. More workers shorten only
+    the first part: in a replica whose waits are mostly the second, the
+    workers had the batches ready and the replica's process took them late.
+    Waits for batches without a stamp (made elsewhere) are left out.
+    """
+
+    seconds: float = 0.0
+    making_seconds: float = 0.0
+
+    def add(self, asked: float, got: float, made: float | None) -> None:
+        if made is None:
+            return
+        wait = max(0.0, got - asked)
+        self.seconds += wait
+        self.making_seconds += min(max(0.0, made - asked), wait)
+
+    def making_share(self) -> float | None:
+        """The share of the waits spent on batches not yet made; None without a wait to split."""
+        return self.making_seconds / self.seconds if self.seconds > 0 else None
 
 
 @dataclass
@@ -93,6 +139,9 @@ class Breakdown:
     # None where the runtime cannot see the device (observe.idle).
     device_idle_seconds: float | None = None
     input_bound_seconds: float | None = None
+    # Of the loader's waits for batches (BatchWaits), the share spent on batches not yet made;
+    # None where its batches carry no stamp or it never waited.
+    input_making_share: float | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -141,14 +190,22 @@ def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float]:
     idle = [r.device_idle_fraction for r in replicas]
     if None not in idle:
         fields["device_idle_fraction"] = mean(idle)
+    making = [r.input_making_share for r in replicas]
+    if None not in making:
+        fields["input_making_share"] = mean(making)
     return fields
 
 
 class LoopTimer:
-    """A training loop's clock: started with the loop; the runtime's device loader feeds ``wait``."""
+    """A training loop's clock: started with the loop; the runtime's device loader feeds ``wait``.
 
-    def __init__(self, compile_seconds: Callable[[], float]):
+    source: the loop's batches; where it keeps its pass's ``waits`` (BatchWaits), the epoch
+    also says whose lateness they were.
+    """
+
+    def __init__(self, compile_seconds: Callable[[], float], source: Any = None):
         self.compile_seconds = compile_seconds
+        self.source = source
         self.wait = InputWait()
         self.compiled_before = compile_seconds()
         self.start = time.time()
@@ -157,6 +214,7 @@ class LoopTimer:
         train_seconds = time.time() - self.start
         # At the epoch's end (the trainer reads its loss next): CUDA events are read here.
         idle = self.wait.gaps.settle() if self.wait.gaps is not None else None
+        waits = getattr(self.source, "waits", None)
         return Breakdown(
             train_seconds=train_seconds,
             input_wait_seconds=self.wait.seconds,
@@ -165,4 +223,5 @@ class LoopTimer:
             checkpoint_write_seconds=checkpoint_write_seconds,
             device_idle_seconds=None if idle is None else idle[0],
             input_bound_seconds=None if idle is None else idle[1],
+            input_making_share=None if waits is None else waits.making_share(),
         )

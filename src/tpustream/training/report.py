@@ -45,6 +45,7 @@ OPTIONAL_SCALARS = {
     "time/input_bound_fraction": "input_bound_fraction",
     "time/input_bound_fraction_worst": "input_bound_fraction_worst",
     "time/device_idle_fraction": "device_idle_fraction",
+    "time/input_making_share": "input_making_share",
     "time/compile_seconds": "compile_seconds",
     "time/step_seconds": "step_seconds",
     "time/checkpoint_stall_seconds": "checkpoint_stall_seconds",
@@ -81,6 +82,8 @@ class EpochRecord:
     input_bound_fraction: float | None = None
     input_bound_fraction_worst: float | None = None
     device_idle_fraction: float | None = None
+    # Of the loader's waits for batches, the share before their last piece was made (observe.timing).
+    input_making_share: float | None = None
     compile_seconds: float | None = None
     step_seconds: float | None = None
     # Saving: what the training loop waited, and the writing (checkpoint.asynchronous: in the
@@ -147,8 +150,10 @@ def time_shares(record: EpochRecord) -> str:
         )
     if record.device_idle_fraction is not None:
         device += f"device idle {100 * record.device_idle_fraction:.0f}%; "
+    making = record.input_making_share
+    making = "" if making is None else f" ({100 * making:.0f}% for batches not yet made)"
     return (
-        f"{device}host wait {100 * record.input_wait_fraction:.0f}%, worst replica "
+        f"{device}host wait {100 * record.input_wait_fraction:.0f}%{making}, worst replica "
         f"{100 * record.input_wait_fraction_worst:.0f}%; compile {record.compile_seconds:.1f}s, "
         f"step {record.step_seconds:.1f}s, checkpoints {record.checkpoint_stall_seconds:.1f}s"
         + (

@@ -232,7 +232,7 @@ class Trainer(StepHooks):
         sums = EpochSums(self.partial, self.runtime)
         check_every = self.stop_check_every()
         save_every = self.cfg.checkpoint.every_n_steps
-        timer = LoopTimer(self.runtime.compile_seconds)  # where the loop's time goes: observe.timing, idle
+        timer = LoopTimer(self.runtime.compile_seconds, self.train_loader)  # observe.timing, idle
         for index, batch in enumerate(self.runtime.device_loader(self.train_loader, timer.wait)):
             step = start_step + index
             loss = self.step_fn(batch)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from tpustream.errors import ConfigError
+from tpustream.observe.timing import MADE
 
 # Whole batches in the ring beyond data.prefetch_factor: a worker runs at
 # most that many pieces ahead of what the replica has received; the spares
@@ -160,7 +161,7 @@ def join_batches(parts: list[dict]) -> dict:
     """Consecutive parts of one batch (canonical streams' chunks, workers' pieces) as one batch.
 
     Tensors and arrays are concatenated in order, "filled" summed,
-    "bad_shards" merged; parts written into a slot name the same one. One
+    "made" the latest, "bad_shards" merged; parts written into a slot name the same one. One
     part is returned as it is.
     """
     if len(parts) == 1:
@@ -169,6 +170,8 @@ def join_batches(parts: list[dict]) -> dict:
     for name, first in parts[0].items():
         if name == "filled":
             joined[name] = sum(part[name] for part in parts)
+        elif name == MADE:  # the batch is made when its last part is
+            joined[name] = max(part[name] for part in parts)
         elif name == "bad_shards":
             joined[name] = list(dict.fromkeys(url for part in parts for url in part[name]))
         elif name == "slot":

@@ -1,7 +1,9 @@
 """A replica's loader: the DataLoader over its ``ShardStream``, counting what arrived.
 
 ``CountingLoader`` keeps host-only fields off the device, sums the places
-bad data left empty, and checks that every planned batch arrived.
+bad data left empty, checks that every planned batch arrived, and times
+its consumer's waits for batches, split by whose lateness they were
+(observe.timing.BatchWaits).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
@@ -20,6 +23,7 @@ from torch.utils.data import DataLoader
 from tpustream.data.read.assemble import SlotBatches, in_background
 from tpustream.data.read.stream import ShardStream
 from tpustream.errors import DataError, TpustreamError
+from tpustream.observe.timing import MADE, BatchWaits
 from tpustream.preemption import exit_with_parent, stop_signals_blocked
 
 # Batches the receiving thread has ready ahead of the consumer.
@@ -82,6 +86,7 @@ class CountingLoader:
         self.batches = 0
         self.sample_ids: list[np.ndarray] = []
         self.bad_shards: list[str] = []  # this pass's shards with bad data, first MAX_BAD_SHARDS
+        self.waits = BatchWaits()  # this pass's waits for batches, and for their making
 
     def __len__(self) -> int:
         """Batches of the current pass."""
@@ -100,8 +105,11 @@ class CountingLoader:
         self.filled = self.batches = 0
         self.sample_ids = []
         self.bad_shards = []
+        self.waits = waits = BatchWaits()
         try:
+            asked = time.monotonic()
             for batch in self.assembled():
+                waits.add(asked, time.monotonic(), batch.pop(MADE, None))
                 self.filled += int(batch.pop("filled"))
                 for url in batch.pop("bad_shards", ()):
                     if len(self.bad_shards) < MAX_BAD_SHARDS and url not in self.bad_shards:
@@ -111,6 +119,7 @@ class CountingLoader:
                     self.sample_ids.append(ids[batch["real"] > 0].numpy())
                 self.batches += 1
                 yield batch
+                asked = time.monotonic()
         except TpustreamError as exc:
             raise _unwrap_worker_error(exc) from exc
 

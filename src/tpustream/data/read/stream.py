@@ -47,6 +47,7 @@ from tpustream.data.read.stages import (
     skip_samples,
 )
 from tpustream.data.read.user_stages import apply_user_stages
+from tpustream.observe.timing import stamp_made
 
 # Keeps the canonical streams' generators apart from the per-reader plan's.
 STREAM_SALT = 0x5354524D  # "STRM"
@@ -247,8 +248,9 @@ class ShardStream(IterableDataset):
             items = iter(
                 self.pipeline(worker, workers, skip, self._reader_writer(worker, workers, skip, generation))
             )
-        # A worker's piece travels inside its message, its numpy arrays pickled inline.
-        return items if info is None else map(functools.partial(portable, shared=SHARED_FIELDS), items)
+        if info is not None:  # a worker's piece travels inside its message, numpy arrays pickled inline
+            items = map(functools.partial(portable, shared=SHARED_FIELDS), items)
+        return map(stamp_made, items)
 
     def _reader_writer(
         self, role: int, workers: int, skipped: int, generation: int | None
