@@ -142,14 +142,20 @@ def test_an_epoch_takes_its_sources_split_and_replicas_report_it_only_when_all_h
     class Source:
         waits = BatchWaits(seconds=2.0, making_seconds=0.5)
 
-    assert LoopTimer(lambda: 0.0, Source()).breakdown(0.0, 0.0).input_making_share == 0.25
-    assert LoopTimer(lambda: 0.0, object()).breakdown(0.0, 0.0).input_making_share is None
+    assert LoopTimer(lambda: 0.0, Source()).breakdown(0.0, 0.0).input_waits is Source.waits
+    assert LoopTimer(lambda: 0.0, object()).breakdown(0.0, 0.0).input_waits is None
 
-    def replica(making: float | None) -> Breakdown:
-        return Breakdown(10.0, 3.0, 0.0, 0.0, input_making_share=making)
+    def replica(waits: BatchWaits | None) -> Breakdown:
+        return Breakdown(10.0, 3.0, 0.0, 0.0, input_waits=waits)
 
-    assert reduce_breakdowns([replica(0.2), replica(0.4)])["input_making_share"] == pytest.approx(0.3)
-    assert "input_making_share" not in reduce_breakdowns([replica(0.2), replica(None)])
+    # Weighted by the waits: 0.2 s of making in 1 s, and 3 s of 3 s.
+    both = [replica(BatchWaits(1.0, 0.2)), replica(BatchWaits(3.0, 3.0))]
+    assert reduce_breakdowns(both)["input_making_share"] == pytest.approx(0.8)
+    assert reduce_breakdowns([replica(BatchWaits(1.0, 0.2)), replica(BatchWaits())])[
+        "input_making_share"
+    ] == pytest.approx(0.2)  # a replica that never waited adds nothing
+    assert "input_making_share" not in reduce_breakdowns([replica(BatchWaits()), replica(BatchWaits())])
+    assert "input_making_share" not in reduce_breakdowns([replica(BatchWaits(1.0, 0.2)), replica(None)])
 
 
 def test_a_run_whose_workers_were_ahead_is_not_told_to_add_workers():

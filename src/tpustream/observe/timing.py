@@ -139,9 +139,8 @@ class Breakdown:
     # None where the runtime cannot see the device (observe.idle).
     device_idle_seconds: float | None = None
     input_bound_seconds: float | None = None
-    # Of the loader's waits for batches (BatchWaits), the share spent on batches not yet made;
-    # None where its batches carry no stamp or it never waited.
-    input_making_share: float | None = None
+    # The loader's waits for batches, and for their making; None where its batches carry no stamp.
+    input_waits: BatchWaits | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -190,9 +189,12 @@ def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float]:
     idle = [r.device_idle_fraction for r in replicas]
     if None not in idle:
         fields["device_idle_fraction"] = mean(idle)
-    making = [r.input_making_share for r in replicas]
-    if None not in making:
-        fields["input_making_share"] = mean(making)
+    # Weighted by each replica's waits: one that hardly waited says little about the others.
+    waits = [r.input_waits for r in replicas]
+    if None not in waits:
+        total = BatchWaits(sum(w.seconds for w in waits), sum(w.making_seconds for w in waits))
+        if total.making_share() is not None:
+            fields["input_making_share"] = total.making_share()
     return fields
 
 
@@ -214,7 +216,6 @@ class LoopTimer:
         train_seconds = time.time() - self.start
         # At the epoch's end (the trainer reads its loss next): CUDA events are read here.
         idle = self.wait.gaps.settle() if self.wait.gaps is not None else None
-        waits = getattr(self.source, "waits", None)
         return Breakdown(
             train_seconds=train_seconds,
             input_wait_seconds=self.wait.seconds,
@@ -223,5 +224,5 @@ class LoopTimer:
             checkpoint_write_seconds=checkpoint_write_seconds,
             device_idle_seconds=None if idle is None else idle[0],
             input_bound_seconds=None if idle is None else idle[1],
-            input_making_share=None if waits is None else waits.making_share(),
+            input_waits=getattr(self.source, "waits", None),
         )
