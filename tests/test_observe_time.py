@@ -165,7 +165,9 @@ def test_a_run_whose_workers_were_ahead_is_not_told_to_add_workers():
     (finding,) = advise(late, num_workers=2, cpus=8)
     assert finding.startswith("input-bound: the training thread waited for batches 50% of the time")
     assert "the workers were not what it waited for: 90% of the loader's waits came after" in finding
-    assert "num_workers" not in finding and "debug.profile_steps" in finding
+    assert "num_workers" not in finding and "debug.profile_steps" in finding and "decode" not in finding
+    (finding,) = advise(late, num_workers=2, cpus=8, gpu_decodes=True)
+    assert "with data.decode=device that process decodes every JPEG: data.decode=host leaves" in finding
     slow = [{**record, "input_making_share": 0.9} for record in records([0.6, 0.5, 0.5])]
     (finding,) = advise(slow, num_workers=2, cpus=8)
     assert "raise data.num_workers from 2 to about 5" in finding

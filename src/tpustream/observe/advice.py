@@ -107,6 +107,7 @@ def advise(
     local_replicas: int | None = None,
     synthetic_rate: float | None = None,
     gpu_could_decode: bool = False,
+    gpu_decodes: bool = False,
 ) -> list[str]:
     """Findings for these epoch records (metrics.jsonl lines); the run's settings when known.
 
@@ -115,7 +116,8 @@ def advise(
     most workers a replica may have (its canonical streams). synthetic_rate:
     samples/s of the same configuration with data.synthetic=true.
     gpu_could_decode: the run's workers decode JPEG crops for a GPU
-    (data.decode=device would leave that to the GPU).
+    (data.decode=device would leave that to the GPU). gpu_decodes: it runs with
+    data.decode=device (the replica's receiving thread decodes).
     """
     steady = measured(records)
     if not steady:
@@ -127,7 +129,7 @@ def advise(
         finding, share = starved
         making = mean_of(steady, "input_making_share")
         if share is not None and making is not None and making < MADE_LATE:
-            finding += "; " + delivery_finding(making)
+            finding += "; " + delivery_finding(making, gpu_decodes)
         elif share is not None:
             finding += "; " + worker_change(
                 num_workers, share, host, shards_per_replica, max_workers, gpu_could_decode
@@ -204,13 +206,20 @@ def input_finding(
     return f"input-bound: {figure}", share
 
 
-def delivery_finding(making: float) -> str:
+def delivery_finding(making: float, gpu_decodes: bool = False) -> str:
     """An input-bound run whose workers had made most of the batches it waited for."""
     return (
         f"the workers were not what it waited for: {100 * (1 - making):.0f}% of the loader's waits "
         "came after a batch's last piece was made (its delivery in the replica's process: receiving "
         "the pieces, the copy out of shared memory, decoding on the device), so more workers cannot "
-        "help; debug.profile_steps shows where that process spends the time (docs/watching.md)"
+        "help; "
+        + (
+            "with data.decode=device that process decodes every JPEG: data.decode=host leaves the "
+            "decoding to the workers; "
+            if gpu_decodes
+            else ""
+        )
+        + "debug.profile_steps shows where that process spends the time (docs/watching.md)"
     )
 
 

@@ -375,19 +375,18 @@ class EpochReporter:
             return
         self._write_run_file(checkpoint.write_metrics, history)
         if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
-            workers, cpus = self.cfg.data.num_workers, usable_cpus()
-            shards, streams = self.shards_per_replica, self.max_workers
             data, device = self.cfg.data, self.cfg.accelerator.device
             # A GPU run whose workers decode JPEG crops could leave the decoding to the GPU.
             gpu_could_decode = device == Device.CUDA and data.train_crop == TrainCrop.random_resized
             findings = advise(
                 history,
-                workers,
-                cpus,
-                shards,
-                streams,
+                data.num_workers,
+                usable_cpus(),
+                self.shards_per_replica,
+                self.max_workers,
                 local_replicas=self.local_replicas,
                 gpu_could_decode=gpu_could_decode and data.decode == Decode.host,
+                gpu_decodes=data.decode == Decode.device,
             )
             for finding in findings:
                 log.info("advice: %s", finding)
