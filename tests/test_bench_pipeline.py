@@ -79,3 +79,32 @@ def test_receiving_times_the_pieces_it_receives():
     # Beside a thread that holds the GIL in pure Python, a piece waits for it (up to 5 ms each).
     row = receiving.measure(1, 40, contender="python")
     assert row["wall_us_per_piece"] > 3 * row["cpu_us_per_piece"]
+
+
+def test_the_scaling_table_says_how_much_of_the_consumers_waits_were_for_the_making():
+    from bench.pipeline import scaling
+
+    row = {
+        "workers": 2,
+        "streams_per_worker": [4, 4],
+        "images_per_s": 2000.0,
+        "replica_ms_per_batch": 6.0,
+        "replica_cores": 0.05,
+        "worker_cores": [0.9, 0.9],
+        "making_share": 0.9,
+    }
+    stages = {
+        "images": 10,
+        "read_ms": 0.05,
+        "decode_ms": 0.6,
+        "decode_whole_image_ms": 0.7,
+        "window_decoding": True,
+        "crop_resize_ms": 0.3,
+        "batch_ms": 0.02,
+        "one_core_images_per_s": 1000.0,
+        "device_decode_worker_ms": 0.01,
+    }
+    lines = scaling.describe([row, {**row, "workers": 4, "making_share": None}], stages).splitlines()
+    assert lines[0].endswith("| worker cores (mean) | waits for making |")
+    assert lines[2] == "| 2 | 4 | 2,000 | 1,000 | 1.00 | 6.0 | 0.05 | 0.90 | 90% |"
+    assert lines[3].endswith("| 0.90 | - |")  # no wait to split

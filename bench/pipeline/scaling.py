@@ -25,8 +25,10 @@ Printed per W: images/s, images/s per worker, the efficiency against W
 times the one-worker rate (the first count given, scaled), the replica
 process's CPU per batch (all its threads: receiving pieces, assembling,
 the copy) and the cores it kept busy, each worker's mean busy share of a
-core, and the streams per worker (the most and fewest: unequal shares mean
-some workers wait for others every batch). Stages: per image, in one
+core, the streams per worker (the most and fewest: unequal shares mean
+some workers wait for others every batch), and of the consumer's waits for
+batches the share their workers had not made yet (the rest: the replica's
+receiving, copying, decoding on the device). Stages: per image, in one
 process over the first --stage-images samples, the milliseconds to read
 (tar parsing), decode (TurboJPEG at the DCT scale the crop allows), crop
 and resize (the antialiased resample to 224) and batch (the copy into the
@@ -132,7 +134,7 @@ def measure_workers(split: ShardManifest, workers: int, min_seconds: float, deco
     loader.start_workers()
     try:
         samples = batches = passes = 0
-        seconds = replica_cpu = 0.0
+        seconds = replica_cpu = waited = making = 0.0
         worker_cpu = np.zeros(workers)
         epoch = 0
         while seconds < min_seconds or passes == 0:
@@ -149,6 +151,7 @@ def measure_workers(split: ShardManifest, workers: int, min_seconds: float, deco
                 seconds += time.perf_counter() - start
                 replica_cpu += process_cpu() - cpu0
                 worker_cpu += np.array([process_cpu(p) for p in pids]) - workers0
+                waited, making = waited + loader.waits.seconds, making + loader.waits.making_seconds
                 passes += 1
             epoch += 1
     finally:
@@ -165,6 +168,8 @@ def measure_workers(split: ShardManifest, workers: int, min_seconds: float, deco
         "replica_ms_per_batch": 1000 * replica_cpu / batches,
         "replica_cores": replica_cpu / seconds,
         "worker_cores": (worker_cpu / seconds).tolist(),
+        # Of the consumer's waits, the share for batches not yet made (observe.timing.BatchWaits).
+        "making_share": making / waited if waited > 0 else None,
     }
 
 
@@ -234,16 +239,18 @@ def describe(rows: list[dict[str, Any]], stages: dict[str, float]) -> str:
     base = rows[0]["images_per_s"] / rows[0]["workers"]
     lines = [
         "| workers | streams/worker | images/s | per worker | efficiency | replica ms/batch | replica cores "
-        "| worker cores (mean) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| worker cores (mean) | waits for making |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         rate, workers = row["images_per_s"], row["workers"]
         low, high = row["streams_per_worker"]
+        making = "-" if row.get("making_share") is None else f"{100 * row['making_share']:.0f}%"
         lines.append(
             f"| {workers} | {low if low == high else f'{low}-{high}'} | {rate:,.0f} | {rate / workers:,.0f} "
             f"| {rate / (workers * base):.2f} | {row['replica_ms_per_batch']:.1f} "
-            f"| {row['replica_cores']:.2f} | {float(np.mean(row['worker_cores'])):.2f} |"
+            f"| {row['replica_cores']:.2f} | {float(np.mean(row['worker_cores'])):.2f} "
+            f"| {making} |"
         )
     window = "the crop's window alone;" if stages["window_decoding"] else "no window decoder built;"
     lines.append(
