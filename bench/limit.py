@@ -69,6 +69,8 @@ def describe(summary: Mapping[str, Any]) -> str:
             "(the device idle for input: input_bound_fraction)",
             f"host wait for batches:           {share('input_wait_fraction')} "
             "(the training thread's, host-side: input_wait_fraction)",
+            f"of the waits, for the making:    {share('input_making_share')} "
+            "(batches the workers had not made yet; the rest, their delivery: input_making_share)",
         ]
     )
 
@@ -127,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kind == "real":
             real_records.extend(measured(records))
         print(f"{folder.name}: {rates[kind][-1]:.1f} samples/s", flush=True)
-    shares = {key: mean_of(real_records, key) for key in ("input_bound_fraction", "input_wait_fraction")}
+    keys = ("input_bound_fraction", "input_wait_fraction", "input_making_share")
+    shares = {key: mean_of(real_records, key) for key in keys}
     summary = summarise(rates["synthetic"], rates["real"], shares)
     summary.update(
         command=shlex.join(["python", "-m", "bench.limit", *argv]),

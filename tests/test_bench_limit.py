@@ -30,7 +30,13 @@ def test_the_summary_says_how_far_from_synthetic_and_what_was_measured(monkeypat
         out = next(part.split("=", 1)[1] for part in command if part.startswith("output_dir="))
         kind = "synthetic" if "data.synthetic=true" in command else "real"
         records = [
-            {"epoch": e, "global_rate": rate, "input_wait_fraction": 0.5, "input_bound_fraction": 0.1 * e}
+            {
+                "epoch": e,
+                "global_rate": rate,
+                "input_wait_fraction": 0.5,
+                "input_bound_fraction": 0.1 * e,
+                "input_making_share": 0.9,
+            }
             for e, rate in enumerate(rates[kind])
         ]
         (tmp_path / "runs").mkdir(exist_ok=True)
@@ -51,6 +57,7 @@ def test_the_summary_says_how_far_from_synthetic_and_what_was_measured(monkeypat
     assert "real / synthetic:                0.800" in out
     assert "input-bound, implied:            20.0% (1 - real/synthetic)" in out
     assert "input-bound, measured:           15.0%" in out
+    assert "of the waits, for the making:    90.0% (batches the workers had not made yet" in out
     # Where the accelerator measures no device idle time, it says so rather than invent one.
     summary = limit.summarise([10.0], [10.0], {"input_bound_fraction": None, "input_wait_fraction": 0.3})
     assert "not measured here" in limit.describe(summary) and summary["implied_input_bound"] == 0.0
