@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tpustream.observe import trace_gaps
+
 log = logging.getLogger(__name__)
 
 
@@ -77,7 +79,8 @@ class TraceCapture:
     """
 
     kind = "XLA"
-    summary: str | None = None  # what the trace says, logged with where it is (torch's on a GPU)
+    # What the trace says, logged with where it is (torch's on a GPU: where its idle time went).
+    summary: str | None = None
 
     def __init__(self, output_dir: str, name: str):
         from tpustream import storage
@@ -138,8 +141,6 @@ class TraceCapture:
 
 def gpu_idle_summary(path: str) -> str | None:
     """observe.trace_gaps' line for a trace with GPU work, else None; a failure is only a warning."""
-    from tpustream.observe import trace_gaps
-
     try:
         found = trace_gaps.summarise(trace_gaps.load_events(Path(path)))
     except Exception as exc:
@@ -168,7 +169,6 @@ class TorchTraceCapture(TraceCapture):
         super().__init__(output_dir, name)
         self.cuda = cuda
         self.profiler = None
-        self.summary: str | None = None  # on a GPU: where its idle time in the window went
         self.step_mark = None  # the record_function of the step under way
 
     def mark_step(self, step: int) -> None:
@@ -178,7 +178,7 @@ class TorchTraceCapture(TraceCapture):
 
         self._end_step()
         if self.profiler is not None:
-            self.step_mark = record_function(f"train step {step}")
+            self.step_mark = record_function(f"{trace_gaps.STEP_MARK}{step}")
             self.step_mark.__enter__()
 
     def _end_step(self) -> None:

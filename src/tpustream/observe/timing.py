@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
+from tpustream.observe.trace_gaps import INPUT_WAIT
+
 
 class StepGaps(Protocol):
     """A device loader's record of the device's gaps between steps (observe.idle)."""
@@ -112,7 +114,7 @@ def timed(batches: Iterable, wait: InputWait | None) -> Iterator:
         start = time.perf_counter()
         try:
             if torch.autograd._profiler_enabled():
-                with torch.profiler.record_function("input wait"):
+                with torch.profiler.record_function(INPUT_WAIT):
                     batch = next(iterator)
             else:
                 batch = next(iterator)
