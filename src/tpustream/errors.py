@@ -29,3 +29,10 @@ class ShardFormatError(DataError):
 # output_dir/checkpoints/last.pt holds the progress: a launcher should run the same command
 # again (resume=auto continues from there). 75 is EX_TEMPFAIL in sysexits.h.
 PREEMPTED_EXIT_CODE = 75
+
+# A replica's progress watchdog (tpustream.watchdog) found nothing moving for
+# watchdog.seconds: it wrote every thread's stacks to output_dir/watchdog/ and
+# the run exits with this code. Like 75, a launcher may run the same command
+# again (it continues from last.pt), a bounded number of times: a hang that
+# comes back at the same place is not cured by restarting.
+HUNG_EXIT_CODE = 76
