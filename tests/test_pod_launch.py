@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_pod_commands import OVERRIDES, alive, spec
-from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 from tpustream.pod import commands, interrupts, sync, workers
 from tpustream.pod.__main__ import main
 
@@ -121,7 +121,9 @@ if os.environ.get("FAKE_PID_DIR"):
     Path(os.environ["FAKE_PID_DIR"], f"{worker}.pid").write_text(str(os.getpid()))
 if worker in os.environ.get("FAKE_SLOW", "").split(","):
     time.sleep(0.3)
-if worker in os.environ.get("FAKE_HANG", "").split(","):
+# FAKE_HANG=0,1@0: worker 0 hangs on every attempt, worker 1 on its first (attempt 0) only.
+hangs = os.environ.get("FAKE_HANG", "").split(",")
+if worker in hangs or f"{worker}@{os.environ.get('STUB_ATTEMPT')}" in hangs:
     # A replica process (its command line does not name this script) and this process
     # wait in a collective for a host that is gone.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -532,7 +534,103 @@ def test_restart_stops_after_max_restarts(gcloud, fake_train, tmp_path, capfd):
     _, err = capfd.readouterr()
     assert code == PREEMPTED_EXIT_CODE
     assert "restart 2 of 2" in err and "restart(s) of --max-restarts are used up" in err
+    assert re.search(
+        r"worker \d exited with 75 \(preempted; last.pt was saved\); the 2 restart\(s\) of --max-restarts "
+        r"are used up \(2 after preemptions\): giving up\n",
+        err,
+    )
     assert [len(gcloud.worker_runs(w)) for w in (0, 1)] == [3, 3]
+
+
+# --- hangs: exit 76, the watchdog's -----------------------------------------------------
+
+HUNG_RUN = "output_dir=gs://b/runs/x"  # where the stacks are named
+
+
+def test_a_hang_on_every_host_is_one_restart(gcloud, fake_train, tmp_path, monkeypatch, capfd):
+    """One host hangs, the others wait for it in a collective and their watchdogs fire too."""
+    gcloud.script(workers=3, ssh={w: [HUNG_EXIT_CODE] for w in ("0", "1", "2")})
+    monkeypatch.setenv("FAKE_SLOW", "1,2")  # they end after the first, within the grace period
+    code = launch(tmp_path, "--restart", "--grace", "10", command=[sys.executable, str(fake_train), HUNG_RUN])
+    _, err = capfd.readouterr()
+    assert code == 0, err
+    assert re.search(r"(worker \d exited with 76(; |\n)){3}", err)  # all three ended by themselves
+    (restart,) = re.findall(r"restart \d of 3: .*", err)
+    assert re.fullmatch(
+        r"restart 1 of 3: worker \d hung \(exit 76; stacks in gs://b/runs/x/watchdog/\); "
+        r"waiting for TPU tpu1 to be READY",
+        restart,
+    )
+    assert [len(gcloud.worker_runs(w)) for w in (0, 1, 2)] == [2, 2, 2]
+
+
+def test_a_hang_and_the_others_stopped_is_one_restart(gcloud, fake_train, tmp_path, monkeypatch, capfd):
+    """Worker 0's watchdog fires first; worker 1, waiting in a collective, is stopped by the launcher."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    gcloud.script(workers=2, ssh={"0": [HUNG_EXIT_CODE]})
+    monkeypatch.setenv("FAKE_PID_DIR", str(pids))
+    monkeypatch.setenv("FAKE_HANG", "1@0")  # hangs in the first attempt only
+    monkeypatch.setenv("FAKE_WAIT_PIDS", "2")  # worker 0 ends once both run
+    started = time.monotonic()
+    code = launch(tmp_path, "--restart", command=[sys.executable, str(fake_train), HUNG_RUN])
+    _, err = capfd.readouterr()
+    assert code == 0, err
+    assert "worker 0 exited with 76; worker(s) 1 stopped by the launcher\n" in err
+    (restart,) = re.findall(r"restart \d of 3: .*", err)
+    assert restart.startswith("restart 1 of 3: worker 0 hung (exit 76; stacks in gs://b/runs/x/watchdog/)")
+    hung = [int((pids / f"1.{kind}").read_text()) for kind in ("pid", "child")]
+    assert not any(alive(pid) for pid in hung)  # the cleanup before the restart killed them
+    assert [len(gcloud.worker_runs(w)) for w in (0, 1)] == [2, 2]
+    assert time.monotonic() - started < 20  # not the hung worker's 30s
+
+
+@pytest.mark.parametrize(
+    "codes, used",
+    [
+        ([HUNG_EXIT_CODE] * 3, "2 after hangs"),
+        ([PREEMPTED_EXIT_CODE, HUNG_EXIT_CODE, HUNG_EXIT_CODE], "1 after a preemption, 1 after a hang"),
+    ],
+    ids=["hangs", "preemption-then-hangs"],
+)
+def test_hangs_count_against_max_restarts(gcloud, fake_train, tmp_path, capfd, codes, used):
+    """A hang that comes back at the same place is not cured by restarting: it gives up at the bound."""
+    gcloud.script(workers=2, ssh={"0": codes, "1": codes})
+    options = ["--restart", "--grace", "10", "--max-restarts", "2"]
+    code = launch(tmp_path, *options, command=[sys.executable, str(fake_train), HUNG_RUN])
+    _, err = capfd.readouterr()
+    assert code == HUNG_EXIT_CODE
+    assert len(re.findall(r"restart \d of 2: ", err)) == 2
+    assert re.search(
+        r"\[launch\] worker \d hung \(exit 76; stacks in gs://b/runs/x/watchdog/\); the 2 restart\(s\) of "
+        rf"--max-restarts are used up \({used}\): giving up\n",
+        err,
+    )
+    assert [len(gcloud.worker_runs(w)) for w in (0, 1)] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "command, stacks",
+    [
+        (["python", "train.py", "++output_dir='gs://b/runs/y/'"], "gs://b/runs/y/watchdog/"),
+        (["python", "train.py", "output_dir=/data/runs/y"], "/data/runs/y/watchdog/ on the hosts"),
+        (["python", "train.py"], "output_dir/watchdog/ on the hosts (the run's folder under ~/w/outputs/)"),
+    ],
+)
+def test_a_hang_names_where_the_stacks_are(command, stacks):
+    result = workers.AttemptResult(exits={1: 0, 0: HUNG_EXIT_CODE})
+    launched = spec(command=tuple(command), workdir="~/w")
+    assert result.restart_cause() == (0, HUNG_EXIT_CODE)
+    assert result.restart_reason(launched) == f"worker 0 hung (exit 76; stacks in {stacks})"
+
+
+def test_without_restart_a_hang_says_what_restart_would_do(gcloud, fake_train, tmp_path, capfd):
+    gcloud.script(workers=1, ssh={"0": [HUNG_EXIT_CODE]})
+    code = launch(tmp_path, command=[sys.executable, str(fake_train), HUNG_RUN])
+    _, err = capfd.readouterr()
+    assert code == HUNG_EXIT_CODE
+    hung = "worker 0 hung (exit 76; stacks in gs://b/runs/x/watchdog/)"
+    assert f"{hung}: --restart would relaunch the same command" in err
 
 
 def test_no_restart_without_the_flag_or_on_a_tpu_that_cannot_come_back(gcloud, fake_train, tmp_path, capfd):

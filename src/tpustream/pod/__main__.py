@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError, TpustreamError
+from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, ConfigError, TpustreamError
 from tpustream.pod import interrupts
 from tpustream.pod.commands import dry_run_lines
 from tpustream.pod.create import create_main, delete_main
@@ -42,8 +42,10 @@ installs them into WORKDIR/.venv (pip install -e '.[tpu]'): the command is then
 
 If a worker fails, the others are stopped: SIGTERM (then SIGKILL) to exactly the process
 groups this launch started on each host, never to other jobs that look alike.
---restart relaunches after exit {PREEMPTED_EXIT_CODE} (preempted, last.pt saved) or 255 (ssh connection
-lost) once the TPU VM is READY again; train.py resumes from last.pt (resume=auto).
+--restart relaunches after exit {PREEMPTED_EXIT_CODE} (preempted, last.pt saved), {HUNG_EXIT_CODE} (hung: the
+watchdog wrote the stacks to output_dir/watchdog/) or 255 (ssh connection lost) once
+the TPU VM is READY again; train.py resumes from last.pt (resume=auto). Every relaunch
+counts against --max-restarts, once per attempt however many workers failed.
 
 --recreate (with --restart and --sync) recreates a pod that was taken (PREEMPTED,
 TERMINATED, gone): it deletes what is left, asks for the same pod again as a queued
@@ -123,9 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--source", type=Path, metavar="DIR", help="what --sync copies (default: this tpustream checkout)"
     )
     parser.add_argument(
-        "--restart", action="store_true", help=f"relaunch after exit {PREEMPTED_EXIT_CODE} or 255"
+        "--restart",
+        action="store_true",
+        help=f"relaunch after exit {PREEMPTED_EXIT_CODE} (preempted), {HUNG_EXIT_CODE} (hung) "
+        "or 255 (ssh connection lost)",
     )
-    parser.add_argument("--max-restarts", type=int, default=3, metavar="N", help="default 3")
+    parser.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="relaunches, whatever the cause (default 3)"
+    )
     parser.add_argument(
         "--num-workers", type=int, metavar="N", help="hosts of the TPU VM (default: from gcloud describe)"
     )

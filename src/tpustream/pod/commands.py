@@ -11,7 +11,7 @@ import secrets
 import shlex
 from collections.abc import Sequence
 
-from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 from tpustream.pod.spec import LaunchSpec
 
 # ssh (so gcloud ssh) exits with 255 when the connection fails or is lost,
@@ -238,7 +238,8 @@ def dry_run_lines(spec: LaunchSpec) -> list[str]:
     ]
     if spec.restart:
         lines.append(
-            f"# --restart: after exit {PREEMPTED_EXIT_CODE} or {CONNECTION_LOST_EXIT_CODE}, describe until "
+            f"# --restart: after exit {PREEMPTED_EXIT_CODE}, {HUNG_EXIT_CODE} or "
+            f"{CONNECTION_LOST_EXIT_CODE}, describe until "
             f"READY (every {spec.poll_interval:g}s), then all of the above again, at most "
             f"{spec.max_restarts} time(s)"
         )

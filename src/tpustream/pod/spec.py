@@ -13,6 +13,8 @@ from tpustream.pod.types import slice_type
 DEFAULT_WORKDIR = "~/tpustream"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# How a Hydra command line sets a key: key=v, +key=v (add it), ++key=v (add or override).
+_OUTPUT_DIR = re.compile(r"\+{0,2}output_dir=(.*)\Z", re.S)
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,25 @@ def parse_env(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
             raise ConfigError(f"--env {item!r}: expected NAME=VALUE with NAME made of letters, digits and _")
         pairs.append((name, value))
     return tuple(pairs)
+
+
+def command_output_dir(command: Iterable[str]) -> str | None:
+    """The output_dir a train.py command line sets (its last override, Hydra's quotes removed).
+
+    None: the command leaves conf/config.yaml's default, the run's Hydra folder
+    under outputs/ in the working directory of each host, which a fresh node
+    does not have.
+    """
+    value = None
+    for token in command:
+        match = _OUTPUT_DIR.match(token)
+        if match:
+            value = match.group(1)
+    if value and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    return value
+
+
+def is_bucket_url(path: str | None) -> bool:
+    """A gs:// URL naming a bucket: what survives a pod's disks."""
+    return path is not None and path.startswith("gs://") and bool(path[len("gs://") :].strip("/"))

@@ -4,8 +4,14 @@ One ``gcloud compute tpus tpu-vm ssh --worker=I`` per host, each output line
 prefixed with its host; when one host fails the others are stopped and the
 training is killed on every host (exactly the process groups this launch
 started). With ``restart`` a run that ended by preemption (exit 75: last.pt is
-saved, and ``resume=auto`` continues from it) or by a lost ssh connection (exit
-255) is relaunched once the TPU VM is READY again.
+saved, and ``resume=auto`` continues from it), by a hang (exit 76: a replica's
+watchdog saw no progress and wrote the stacks to output_dir/watchdog/) or by a
+lost ssh connection (exit 255) is relaunched once the TPU VM is READY again.
+
+Every relaunch, whatever its cause, counts against ``max_restarts``: a hang
+that comes back at the same place is not cured by restarting, and a pod is
+relaunched once per attempt however many of its hosts failed (when one host
+hangs, the others wait in a collective until their own watchdogs fire too).
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ import shlex
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from tpustream.errors import PREEMPTED_EXIT_CODE, TpustreamError
+from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, TpustreamError
 from tpustream.pod import interrupts
 from tpustream.pod.commands import (
     CONNECTION_LOST_EXIT_CODE,
@@ -32,12 +39,19 @@ from tpustream.pod.commands import (
 )
 from tpustream.pod.processes import STOP_TIMEOUT_SECONDS, Console, require_gcloud, run_streamed, start, stop
 from tpustream.pod.recreate import PodKeeper
-from tpustream.pod.spec import LaunchSpec
+from tpustream.pod.spec import LaunchSpec, command_output_dir, is_bucket_url
 from tpustream.pod.sync import sync
 
 RESTARTABLE = {
     PREEMPTED_EXIT_CODE: "preempted; last.pt was saved",
+    HUNG_EXIT_CODE: "hung",  # said with where the stacks are: see restart_reason
     CONNECTION_LOST_EXIT_CODE: "ssh connection lost",
+}
+# What the give-up line counts the restarts after, one and several.
+RESTART_CAUSES = {
+    PREEMPTED_EXIT_CODE: ("a preemption", "preemptions"),
+    HUNG_EXIT_CODE: ("a hang", "hangs"),
+    CONNECTION_LOST_EXIT_CODE: ("a lost connection", "lost connections"),
 }
 CLEANUP_TIMEOUT_SECONDS = 300  # gcloud alone retries a lost connection for about a minute
 
@@ -74,14 +88,21 @@ class AttemptResult:
             return _shell_exit_code(next(iter(failures.values())))
         return 1 if self.stopped else 0
 
-    def restart_reason(self) -> str | None:
-        """Why relaunching may succeed, or None if the failure is final."""
+    def restart_cause(self) -> tuple[int, int] | None:
+        """(worker, exit code) of the first failure a relaunch may cure, or None if the failure is final."""
         if self.interrupted:
             return None
-        for worker, code in self.failures.items():
-            if code in RESTARTABLE:
-                return f"worker {worker} exited with {code} ({RESTARTABLE[code]})"
-        return None
+        return next(((w, code) for w, code in self.failures.items() if code in RESTARTABLE), None)
+
+    def restart_reason(self, spec: LaunchSpec) -> str | None:
+        """Why relaunching may succeed, as one clause, or None if the failure is final."""
+        cause = self.restart_cause()
+        if cause is None:
+            return None
+        worker, code = cause
+        if code == HUNG_EXIT_CODE:
+            return f"worker {worker} hung (exit {code}; stacks in {stacks_location(spec)})"
+        return f"worker {worker} exited with {code} ({RESTARTABLE[code]})"
 
     def summary(self) -> str:
         parts = [f"worker {w} exited with {code}" for w, code in self.failures.items()]
@@ -90,6 +111,24 @@ class AttemptResult:
         if self.interrupted:
             parts.insert(0, "interrupted (Ctrl-C)")
         return "; ".join(parts)
+
+
+def stacks_location(spec: LaunchSpec) -> str:
+    """Where a hung run's watchdog wrote the stacks: output_dir/watchdog/, on the hosts unless in a bucket."""
+    output_dir = command_output_dir(spec.command)
+    if output_dir is None:
+        return f"output_dir/watchdog/ on the hosts (the run's folder under {spec.workdir}/outputs/)"
+    where = f"{output_dir.rstrip('/')}/watchdog/"
+    return where if is_bucket_url(output_dir) else f"{where} on the hosts"
+
+
+def restarts_used(causes: Counter[int]) -> str:
+    """e.g. '2 after hangs, 1 after a preemption'."""
+    parts = []
+    for code, count in causes.most_common():
+        one, several = RESTART_CAUSES[code]
+        parts.append(f"{count} after {one if count == 1 else several}")
+    return ", ".join(parts)
 
 
 def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Console) -> AttemptResult:
@@ -205,7 +244,7 @@ def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
     run_id = new_run_id()
     first = remote_run_command(spec, 0, run_id)
     console.say(f"TPU {spec.tpu}: {num_workers} worker(s), run {run_id}; worker 0 runs: {first}")
-    restarts = 0
+    restarts: Counter[int] = Counter()  # by the exit code that caused them
     while True:
         if spec.sync:
             sync(spec, console)  # again after a restart: a recreated TPU VM has new disks
@@ -225,17 +264,22 @@ def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
             cleaned = cleanup(spec, run_id, console)
         if interrupts.received():  # during the cleanup, which it let finish
             result = replace(result, interrupted=True)
-        reason = result.restart_reason()
-        if reason is None or not spec.restart:
+        # One cause per attempt, however many hosts failed: a hang on one host makes the
+        # others' watchdogs fire too, and all of them are one relaunch.
+        cause, reason = result.restart_cause(), result.restart_reason(spec)
+        if cause is None or not spec.restart:
             if reason:
                 console.say(f"{reason}: --restart would relaunch the same command (it resumes from last.pt)")
             return result.exit_code
-        if restarts >= spec.max_restarts:
-            console.say(f"{reason}, but the {spec.max_restarts} restart(s) of --max-restarts are used up")
+        used = restarts.total()
+        if used >= spec.max_restarts:
+            spent = f" ({restarts_used(restarts)})" if used else ""
+            limit = f"the {spec.max_restarts} restart(s) of --max-restarts"
+            console.say(f"{reason}; {limit} are used up{spent}: giving up")
             return result.exit_code
-        restarts += 1
+        restarts[cause[1]] += 1
         console.say(
-            f"restart {restarts} of {spec.max_restarts}: {reason}; waiting for TPU {spec.tpu} to be READY"
+            f"restart {used + 1} of {spec.max_restarts}: {reason}; waiting for TPU {spec.tpu} to be READY"
         )
         info = pod.ready()
         if spec.num_workers is None:
