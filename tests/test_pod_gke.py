@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 from tpustream.pod.__main__ import main
 from tpustream.pod.manifest_yaml import to_yaml
 from tpustream.pod.types import SLICE_TYPES
 
+V4 = ["--type", "v4-8", "--image", "i"]
 COMMAND = ["python", "train.py", "accelerator=tpu", "output_dir=gs://b/runs/r50", "name=a b: c", "x='{1..2}'"]
 
 
@@ -81,6 +82,63 @@ def test_exit_75_and_evictions_restart_without_counting_other_failures_do(capsys
     assert document["metadata"]["annotations"] == {
         "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
     }
+
+
+def restart_action(document: dict, exit_code: int | None = None, condition: str | None = None) -> str:
+    """What the JobSet does when one pod fails so, read from the manifest as Kubernetes and JobSet read it.
+
+    The Job: the first podFailurePolicy rule that matches the failed pod decides
+    (FailJob: the Job fails with reason PodFailurePolicy); with none, the pod
+    counts against backoffLimit and the Job fails with BackoffLimitExceeded once
+    it is exceeded. The JobSet: the first failurePolicy rule whose
+    onJobFailureReasons holds that reason decides; with none, RestartJobSet
+    (counted against maxRestarts), JobSet's default.
+    """
+    job = slice_job(document)["template"]["spec"]
+    reason = None
+    for rule in job["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes")
+        by_code = codes is not None and codes["containerName"] == "tpustream" and codes["operator"] == "In"
+        if (by_code and exit_code in codes["values"]) or any(
+            c["type"] == condition and c["status"] == "True" for c in rule["onPodConditions"]
+        ):
+            assert rule["action"] == "FailJob"
+            reason = "PodFailurePolicy"
+            break
+    else:
+        assert job["backoffLimit"] == 0  # this one failed pod exceeds it
+        reason = "BackoffLimitExceeded"
+    for rule in document["spec"]["failurePolicy"]["rules"]:
+        if reason in rule["onJobFailureReasons"]:
+            return rule["action"]
+    return "RestartJobSet"
+
+
+@pytest.mark.parametrize(
+    "failure, action",
+    [
+        ({"exit_code": PREEMPTED_EXIT_CODE}, "RestartJobSetAndIgnoreMaxRestarts"),
+        ({"condition": "DisruptionTarget"}, "RestartJobSetAndIgnoreMaxRestarts"),
+        ({"exit_code": HUNG_EXIT_CODE}, "RestartJobSet"),
+        ({"exit_code": 1}, "RestartJobSet"),
+        ({"exit_code": 137}, "RestartJobSet"),
+    ],
+    ids=["preempted-75", "evicted", "hung-76", "error-1", "killed-137"],
+)
+def test_a_hang_restarts_counted_against_max_restarts_a_preemption_for_free(capsys, failure, action):
+    """Exit 76 must stay "any other failure": a hang that comes back ends the JobSet after maxRestarts."""
+    document = manifest(capsys, "--type", "v5litepod-16", "--image", "i", "--max-restarts", "2")
+    assert restart_action(document, **failure) == action
+    assert document["spec"]["failurePolicy"]["maxRestarts"] == 2
+
+
+def test_the_manifest_says_how_it_restarts(capsys):
+    assert main(["gke-manifest", *V4, "--max-restarts", "4", "--", *COMMAND]) == 0
+    comments = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+    assert comments[1] == (
+        "# Restarts: after exit 75 (preempted, last.pt saved) or an eviction, as often as they come; after "
+        "exit 76 (hung: stacks in output_dir/watchdog/) or any other failure, at most 4 times (maxRestarts)"
+    )
 
 
 def test_spot_name_env_and_shared_memory(capsys):

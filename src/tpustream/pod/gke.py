@@ -19,8 +19,18 @@ A pod that exits 75 (train.py was stopped and saved last.pt) or was evicted
 (condition DisruptionTarget: a spot node taken, host maintenance) fails its Job
 through the Job's podFailurePolicy, reason PodFailurePolicy, and the first rule
 of the JobSet's failurePolicy restarts it without counting against maxRestarts
-(RestartJobSetAndIgnoreMaxRestarts, JobSet v0.6+). The rerun continues from
-output_dir's last.pt, which must therefore be a gs:// URL.
+(RestartJobSetAndIgnoreMaxRestarts, JobSet v0.6+). A pod that exits 76 (its
+watchdog found the run hung and wrote the stacks to output_dir/watchdog/) is
+"any other failure" on purpose: no podFailurePolicy rule names 76, so it counts
+against backoffLimit 0, the Job fails with reason BackoffLimitExceeded, no rule
+of the JobSet matches that, and JobSet's default action, RestartJobSet, counts
+it against maxRestarts: a hang that comes back at the same place ends the
+JobSet after maxRestarts restarts instead of looping. When one host hangs, the
+others wait in a collective and their watchdogs fire too; the first failed pod
+fails the Job and the JobSet restarts once for that, not once per pod.
+
+Every rerun continues from output_dir's last.pt, which must therefore be a
+gs:// URL.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError
+from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, ConfigError
 from tpustream.pod.manifest_yaml import to_yaml
 from tpustream.pod.spec import parse_env
 from tpustream.pod.types import SLICE_TYPES, SliceType, slice_type
@@ -51,9 +61,10 @@ def gke_generations() -> list[str]:
 def pod_failure_policy() -> dict:
     """Exit 75 or an eviction fail the Job with reason PodFailurePolicy, which the JobSet restarts for free.
 
-    ``onPodConditions: []`` and ``status: "True"`` are spelled out: JobSet
-    validates the Job template without Kubernetes' defaulting (its examples and
-    xpk write them too).
+    Exit 76 (hung) is left out: it must fail the Job with BackoffLimitExceeded
+    so that its restart counts against maxRestarts. ``onPodConditions: []`` and
+    ``status: "True"`` are spelled out: JobSet validates the Job template
+    without Kubernetes' defaulting (its examples and xpk write them too).
     """
     return {
         "rules": [
@@ -80,7 +91,7 @@ def failure_policy(max_restarts: int) -> dict:
                 "action": "RestartJobSetAndIgnoreMaxRestarts",
                 "onJobFailureReasons": ["PodFailurePolicy"],
             }
-        ],  # any other failure: RestartJobSet, counted against maxRestarts
+        ],  # any other failure, exit 76 (hung) included: RestartJobSet, counted against maxRestarts
     }
 
 
@@ -173,7 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--type", required=True, metavar="TYPE", help="accelerator type, e.g. v5litepod-16")
     parser.add_argument("--image", required=True, help="built from this repository's Dockerfile")
     parser.add_argument("--name", default="tpustream", help="the JobSet's name (default tpustream)")
-    parser.add_argument("--max-restarts", type=int, default=3, metavar="N", help="other failures (default 3)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help=f"restarts after a hang (exit {HUNG_EXIT_CODE}) or another failure; "
+        f"exit {PREEMPTED_EXIT_CODE} and evictions are free (default 3)",
+    )
     parser.add_argument("--env", action="append", default=[], metavar="K=V", help="set in every pod")
     parser.add_argument("--spot", action="store_true", help="run on spot nodes (cloud.google.com/gke-spot)")
     parser.add_argument("--termination-grace", type=int, default=30, metavar="SECONDS", help="default 30")
@@ -192,7 +210,10 @@ def gke_main(argv: list[str]) -> int:
     manifest = jobset_manifest(kind, args, command)
     header = (
         f"# {kind.name} on GKE: {kind.hosts} pod(s) x {kind.chips_per_host} chip(s), topology "
-        f"{kind.topology} (node pools of {kind.gke_machine_type}); made by tpustream-pod gke-manifest"
+        f"{kind.topology} (node pools of {kind.gke_machine_type}); made by tpustream-pod gke-manifest\n"
+        f"# Restarts: after exit {PREEMPTED_EXIT_CODE} (preempted, last.pt saved) or an eviction, "
+        f"as often as they come; after exit {HUNG_EXIT_CODE} (hung: stacks in output_dir/watchdog/) or "
+        f"any other failure, at most {args.max_restarts} times (maxRestarts)"
     )
     print(header + "\n" + to_yaml(manifest), end="", flush=True)
     return 0
