@@ -141,6 +141,26 @@ def test_the_manifest_says_how_it_restarts(capsys):
     )
 
 
+@pytest.mark.parametrize("size", ["16Gi", "512Mi", "1G", "1073741824", "1.5Gi", "500k", "1e9", "2Ti"])
+def test_shared_memory_takes_kubernetes_quantities(capsys, size):
+    document = manifest(capsys, *V4, "--shm-size", size)
+    (volume,) = slice_job(document)["template"]["spec"]["template"]["spec"]["volumes"]
+    assert volume["emptyDir"]["sizeLimit"] == size  # a string, as the cluster reads a quantity
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["python", "train.py", "output_dir=gs://b/runs/x"],
+        ["python", "train.py", "++output_dir='gs://b/runs/x'"],
+        [".venv/bin/python", "train.py", "+output_dir=gs://b"],
+    ],
+)
+def test_a_bucket_output_dir_is_accepted(capsys, command):
+    document = manifest(capsys, *V4, command=command)
+    assert slice_job(document)["template"]["spec"]["template"]["spec"]["containers"][0]["command"] == command
+
+
 def test_spot_name_env_and_shared_memory(capsys):
     options = ["--type", "v6e-16", "--image", "i", "--spot", "--name", "r50-spot", "--env", "A=1 2"]
     document = manifest(capsys, *options, "--shm-size", "32Gi", "--termination-grace", "60")
@@ -170,6 +190,29 @@ def test_spot_name_env_and_shared_memory(capsys):
             ["--type", "v4-8", "--image", "i", "--max-restarts", "-1", "--", "x"],
             "--max-restarts must be >= 0",
         ),
+        (
+            [*V4, "--shm-size", "lots", "--", *COMMAND],
+            "--shm-size 'lots' is not a Kubernetes quantity of bytes: write e.g. 16Gi, 512Mi, 1G",
+        ),
+        (
+            [*V4, "--shm-size", "16g", "--", *COMMAND],
+            "--shm-size '16g' is not a Kubernetes quantity of bytes (Docker's 16g is 16Gi here)",
+        ),
+        # In Kubernetes 512m is 512 thousandths of a byte.
+        ([*V4, "--shm-size", "512m", "--", *COMMAND], "(Docker's 512m is 512Mi here)"),
+        ([*V4, "--shm-size", "16gi", "--", *COMMAND], "--shm-size '16gi' is not"),
+        ([*V4, "--shm-size=-1Gi", "--", *COMMAND], "--shm-size '-1Gi' is not"),
+        ([*V4, "--shm-size", "0", "--", *COMMAND], "--shm-size '0': /dev/shm needs a size above 0"),
+        (
+            [*V4, "--", "python", "train.py", "epochs=3"],
+            "the command sets no output_dir, so each pod writes under its own outputs/ (the default), and a "
+            "restart on a fresh node would start over: add output_dir=gs://BUCKET/runs/NAME",
+        ),
+        (
+            [*V4, "--", "python", "train.py", "output_dir=/data/runs/x"],
+            "output_dir=/data/runs/x is not a gs://BUCKET/... URL, so it does not outlive the pods",
+        ),
+        ([*V4, "--", "python", "train.py", "output_dir=gs://"], "output_dir=gs:// is not a gs://BUCKET/"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(capsys, argv, message):

@@ -30,7 +30,7 @@ others wait in a collective and their watchdogs fire too; the first failed pod
 fails the Job and the JobSet restarts once for that, not once per pod.
 
 Every rerun continues from output_dir's last.pt, which must therefore be a
-gs:// URL.
+gs:// URL: a command that sets no output_dir, or a local one, is refused.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import re
 
 from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, ConfigError
 from tpustream.pod.manifest_yaml import to_yaml
-from tpustream.pod.spec import parse_env
+from tpustream.pod.spec import command_output_dir, is_bucket_url, parse_env
 from tpustream.pod.types import SLICE_TYPES, SliceType, slice_type
 from tpustream.pod.usage import UsageParser, split_command
 
@@ -52,6 +52,10 @@ SPOT_LABEL = "cloud.google.com/gke-spot"
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 # The Job's index (0 .. hosts-1), as Kubernetes sets it on every pod of an Indexed Job.
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# A Kubernetes quantity of bytes (k8s.io/apimachinery resource.Quantity): a number with a
+# binary (Ki ... Ei) or decimal (k, M ... E) suffix, an exponent, or none. No "m": that is
+# milli, not Docker's mebibytes, and would ask for a /dev/shm of a fraction of a byte.
+_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[kMGTPE]|[eE]\d+)?\Z")
 
 
 def gke_generations() -> list[str]:
@@ -135,6 +139,35 @@ def pod_spec(kind: SliceType, args: argparse.Namespace, command: list[str]) -> d
     }
 
 
+def check_shm_size(size: str) -> None:
+    """A size the cluster takes as emptyDir's sizeLimit, or one line naming what to write."""
+    match = _QUANTITY.match(size)
+    if match and float(match.group(1)) > 0:
+        return
+    if match:
+        raise ConfigError(f"--shm-size {size!r}: /dev/shm needs a size above 0, e.g. 16Gi")
+    docker = re.fullmatch(r"(\d+)([kmgt])b?", size, re.IGNORECASE)
+    hint = f" (Docker's {size} is {docker.group(1)}{docker.group(2).upper()}i here)" if docker else ""
+    raise ConfigError(
+        f"--shm-size {size!r} is not a Kubernetes quantity of bytes{hint}: write e.g. 16Gi, 512Mi, 1G "
+        "or a number of bytes"
+    )
+
+
+def check_output_dir(command: list[str]) -> None:
+    """Every restart reruns the command on fresh pods: only a bucket keeps the last.pt it continues from."""
+    output_dir = command_output_dir(command)
+    if is_bucket_url(output_dir):
+        return
+    if output_dir is None:
+        where = "the command sets no output_dir, so each pod writes under its own outputs/ (the default)"
+    else:
+        where = f"output_dir={output_dir} is not a gs://BUCKET/... URL, so it does not outlive the pods"
+    raise ConfigError(
+        f"{where}, and a restart on a fresh node would start over: add output_dir=gs://BUCKET/runs/NAME"
+    )
+
+
 def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str]) -> dict:
     """The JobSet for one slice of ``kind`` running ``command`` on every host."""
     if kind.gke_accelerator is None:
@@ -145,6 +178,8 @@ def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str
         raise ConfigError(
             f"--name {args.name!r}: lowercase letters, digits and -, at most 40, starting with a letter"
         )
+    check_shm_size(args.shm_size)
+    check_output_dir(command)
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
@@ -195,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env", action="append", default=[], metavar="K=V", help="set in every pod")
     parser.add_argument("--spot", action="store_true", help="run on spot nodes (cloud.google.com/gke-spot)")
     parser.add_argument("--termination-grace", type=int, default=30, metavar="SECONDS", help="default 30")
-    parser.add_argument("--shm-size", default="16Gi", help="/dev/shm per pod (default 16Gi)")
+    parser.add_argument(
+        "--shm-size", default="16Gi", help="/dev/shm per pod, a Kubernetes quantity (default 16Gi)"
+    )
     return parser
 
 
