@@ -680,6 +680,22 @@ def test_usage_errors_are_one_line_and_exit_2(gcloud, capsys, argv, message):
     assert gcloud.calls() == []
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["frobnicate"], "error: unknown command 'frobnicate' (known: create, delete, gke-manifest; "),
+        (["gke-manifests", "--type", "v4-8"], "command 'gke-manifests'; did you mean 'gke-manifest'?"),
+        (["tpu1", "--zone", "z", "--", "x"], "unknown command 'tpu1' (known: "),
+    ],
+)
+def test_an_unknown_command_is_named_with_the_known_ones(gcloud, capsys, argv, message):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and err.count("\n") == 1
+    assert "a launch starts with its options: --tpu NAME --zone ZONE" in err and "required" not in err
+    assert gcloud.calls() == []
+
+
 def test_gcloud_missing_or_describe_failing_is_one_line_and_exit_2(gcloud, tmp_path, monkeypatch, capsys):
     gcloud.script(describe_error="NOT_FOUND: Resource 'projects/p/locations/z/nodes/t' was not found")
     assert main(["--tpu", "t", "--zone", "z", "--", "x"]) == 2

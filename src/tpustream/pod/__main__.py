@@ -15,6 +15,7 @@ tpustream.pod.interrupts); otherwise the exit code is 0 if every worker exited
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
@@ -195,6 +196,9 @@ def parse_args(argv: list[str]) -> tuple[LaunchSpec, bool]:
 
 
 def launch_main(argv: list[str]) -> int:
+    if argv and not argv[0].startswith("-"):
+        # A launch begins with its options; else argparse would answer that --tpu and --zone are missing.
+        raise ConfigError(unknown_command(argv[0]))
     spec, dry_run = parse_args(argv)
     if dry_run:
         lines = dry_run_lines(spec) + (recreate_dry_run_lines(spec) if spec.recreate else [])
@@ -204,6 +208,16 @@ def launch_main(argv: list[str]) -> int:
 
 
 SUBCOMMANDS = {"create": create_main, "delete": delete_main, "gke-manifest": gke_main}
+
+
+def unknown_command(name: str) -> str:
+    """One line naming the unknown command, a close known one if any, and all of them."""
+    close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+    guess = f"; did you mean {close[0]!r}?" if close else ""
+    return (
+        f"unknown command {name!r}{guess} (known: {', '.join(SUBCOMMANDS)}; "
+        "a launch starts with its options: --tpu NAME --zone ZONE ... -- COMMAND)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
