@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
@@ -83,6 +85,56 @@ def test_enum_overrides_become_enums(compose_config):
 def test_typos_and_wrong_types_fail_at_composition(compose_config, override, message):
     with pytest.raises(ConfigCompositionException, match=message):
         compose_config(override)
+
+
+# The groups whose files extend a schema (tpustream.config.register_configs).
+SCHEMA_GROUPS = ("data", "model", "optim", "accelerator")
+
+
+def offered_options(error: Exception) -> list[str]:
+    """The options Hydra's error for an unknown one lists ('Available options in ...:' then a tab each)."""
+    listed = str(error).split("Available options in", 1)[1].split("\n")[1:]
+    return [line.strip() for line in itertools.takewhile(lambda line: line.startswith("\t"), listed)]
+
+
+@pytest.mark.parametrize("group", SCHEMA_GROUPS)
+def test_a_schema_is_neither_offered_nor_accepted_as_an_option(compose_config, group):
+    """accelerator=foo lists conf/accelerator's files only; accelerator=accelerator_schema is refused
+    (it used to compose a run on the schema's defaults)."""
+    with pytest.raises(MissingConfigException) as unknown:
+        compose_config(f"{group}=foo")
+    assert offered_options(unknown.value) == sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+    with pytest.raises(MissingConfigException, match=f"Could not find '{group}/{group}_schema'"):
+        compose_config(f"{group}={group}_schema")
+
+
+def test_every_group_file_is_checked_against_its_schema(tmp_path):
+    """Each file extends its schema, so a typo inside one fails at composition, naming the schema."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tpustream.config import register_configs
+
+    for group in SCHEMA_GROUPS:
+        for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+            defaults = OmegaConf.load(path).get("defaults", [])
+            assert f"/{group}_schema@_here_" in defaults, f"{path} does not extend its schema"
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    with open(conf / "accelerator" / "cpu.yaml", "a") as file:
+        file.write("num_device: 2\n")  # num_devices
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with (
+            initialize_config_dir(config_dir=str(conf), version_base="1.3"),
+            pytest.raises(ConfigCompositionException, match="Key 'num_device' not in 'AcceleratorConfig'"),
+        ):
+            compose(config_name="config", overrides=["output_dir=/tmp/unused", "log_dir=null"])
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def test_paths_are_resolved_to_absolute_before_spawning(compose_config, monkeypatch, tmp_path):

@@ -84,10 +84,18 @@ __all__ = [
 
 
 def register_configs() -> None:
-    """Register the schemas so conf/*.yaml can extend them by name."""
+    """Register the schemas so conf/*.yaml can extend them by name.
+
+    Each schema is stored at the top of the ConfigStore, in no group: an
+    entry in a group is one of its options, which Hydra lists in its errors
+    and --help and lets ``accelerator=accelerator_schema`` pick (a run on the
+    schema's defaults). A group's files extend theirs from the top as Hydra's
+    docs show for a schema outside the group, ``- /accelerator_schema@_here_``,
+    so each file is still checked against it as it is composed.
+    """
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="optim", name="optim_schema", node=OptimConfig)
-    cs.store(group="accelerator", name="accelerator_schema", node=AcceleratorConfig)
+    cs.store(name="data_schema", node=DataConfig)
+    cs.store(name="model_schema", node=ModelConfig)
+    cs.store(name="optim_schema", node=OptimConfig)
+    cs.store(name="accelerator_schema", node=AcceleratorConfig)

@@ -90,13 +90,13 @@ def resolve_xla_cache_dir(value: str | None, device: Device | str) -> str | None
 
 
 def describe_config_error(exc: OmegaConfBaseException) -> str:
-    """OmegaConf's error as one line naming the key; a missing value usually means a schema was chosen."""
+    """OmegaConf's error as one line naming the key; a missing value is one no option or override set."""
     key = getattr(exc, "full_key", "") or ""
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
     if exc.__class__.__name__ == "MissingMandatoryValue":
         return (
             f"{key or 'a config key'} has no value: set it, or pick a config group option that does "
-            "(data=digits, not data=data_schema)"
+            "(e.g. data=digits)"
         )
     return f"{key}: {reason}" if key and key not in reason else reason
 
