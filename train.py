@@ -39,6 +39,7 @@ from tpustream.errors import TpustreamError
 from tpustream.launch import describe_result, launch, prepare
 from tpustream.launch.spawn import skip_final_collection
 from tpustream.preemption import Preempted, StoppedBeforeStart, install_stop_handlers
+from tpustream.watchdog import Hung
 
 log = logging.getLogger("train")
 register_configs()
@@ -54,6 +55,11 @@ def is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def how_to_continue(cfg: DictConfig) -> str:
+    again = "run the same command" if cfg.resume != OVERWRITE_RESUME else "run it with resume=auto"
+    return f"progress is in {cfg.output_dir}/checkpoints/last.pt: {again} to continue"
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     started = PROCESS_START.pop() if PROCESS_START else time.time()
@@ -63,17 +69,15 @@ def main(cfg: DictConfig) -> None:
     except StoppedBeforeStart as exc:
         log.warning("stopped before training started (%s)", exc)
         sys.exit(exc.exit_code)
+    except Hung as exc:
+        # A replica's watchdog found nothing progressing; its stacks file names where.
+        log.error("hung: %s; %s", exc, how_to_continue(cfg))
+        sys.exit(exc.exit_code)
     except Preempted as exc:
         if cfg.data.synthetic:  # it saved nothing; run again, it measures again from the start
             log.warning("stopped (%s); a synthetic run (data.synthetic) saves no progress", exc)
             sys.exit(exc.exit_code)
-        again = "run the same command" if cfg.resume != OVERWRITE_RESUME else "run it with resume=auto"
-        log.warning(
-            "preempted (%s); progress is in %s/checkpoints/last.pt: %s to continue",
-            exc,
-            cfg.output_dir,
-            again,
-        )
+        log.warning("preempted (%s); %s", exc, how_to_continue(cfg))
         sys.exit(exc.exit_code)
     except TpustreamError as exc:
         log.error("%s", exc)

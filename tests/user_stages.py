@@ -57,3 +57,31 @@ def slow(samples: Iterator[dict]) -> Iterator[dict]:
     for sample in samples:
         time.sleep(0.03)
         yield sample
+
+
+# block_once's marker: a file whose creation picks the one reader that blocks.
+BLOCK_MARKER = "TPUSTREAM_TEST_BLOCK_MARKER"
+# Samples block_once lets through before it blocks.
+BLOCK_AFTER = "TPUSTREAM_TEST_BLOCK_AFTER"
+
+
+def block_once(samples: Iterator[dict]) -> Iterator[dict]:
+    """Blocks forever after $TPUSTREAM_TEST_BLOCK_AFTER samples, in the first reader to get there.
+
+    The first to create the file $TPUSTREAM_TEST_BLOCK_MARKER blocks (one
+    replica of a simulated pod, one DataLoader worker); the others, and every
+    later run (the rerun that resumes), pass every sample on.
+    """
+    import os
+    import threading
+
+    after = int(os.environ.get(BLOCK_AFTER, "0"))
+    for count, sample in enumerate(samples):
+        if count == after:
+            try:
+                os.close(os.open(os.environ[BLOCK_MARKER], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                threading.Event().wait()  # forever: a stage stuck in a read that never returns
+        yield sample

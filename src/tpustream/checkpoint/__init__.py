@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import OmegaConf
 
-from tpustream import storage
+from tpustream import progress, storage
 
 # The fingerprint's rules live beside the format and are part of this package's interface.
 from tpustream.checkpoint.fingerprint import (  # noqa: F401  (re-exported)
@@ -76,6 +76,7 @@ def content_digest(state: Any) -> str:
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            progress.beat("a checkpoint hashed")  # a big state hashes for seconds, tensor by tensor
             tensor = value.detach().cpu().contiguous()
             digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
             # The array itself, not a bytes copy of it: hashlib reads the buffer without the GIL.
@@ -105,7 +106,7 @@ def encode_checkpoint(host_state: dict[str, Any]) -> bytes:
     state = {"version": CHECKPOINT_VERSION, **host_state}
     state["integrity"] = content_digest(state)
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(state, progress.ProgressStream(buffer, "a checkpoint serialised"))
     return buffer.getvalue()
 
 

@@ -20,6 +20,7 @@ FINGERPRINT_IGNORES = (
     "resume",
     "eval_only",
     "debug",
+    "watchdog",
     "early_stop_patience",
     "eval_every",
     "xla_cache_dir",

@@ -47,6 +47,7 @@ from tpustream.config.schema import (
     DataConfig,
     DebugConfig,
     TrainConfig,
+    WatchdogConfig,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "Strategy",
     "TrainConfig",
     "TrainCrop",
+    "WatchdogConfig",
     "positive_seconds",
     "register_configs",
 ]

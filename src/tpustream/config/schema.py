@@ -253,6 +253,40 @@ class CheckpointConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """Each replica's progress watchdog (tpustream.watchdog; docs/progress.md: "Hangs")."""
+
+    # Seconds without progress (a training or evaluation step finished, a batch
+    # received, checkpoint bytes written) before a replica writes every thread's
+    # stacks to <output_dir>/watchdog/ and the run exits 76, which launchers
+    # retry. auto: 20 x the median training step, at least 600; 0 = off.
+    seconds: Any = "auto"
+    # The allowance instead while the process compiles: until its first steps
+    # have finished, and those after its first evaluation, epoch end and save.
+    first_step_seconds: float = 3600.0
+    # After a stop request (SIGTERM): a replica that makes no progress for this
+    # long (its step cannot finish) writes its stacks and exits 75 without saving;
+    # last.pt keeps the last save. Keep it under the host's notice (about 30 s
+    # on a preempted TPU VM); 0 = wait for the step however long it takes.
+    stop_grace_seconds: float = 20.0
+
+    def check(self) -> None:
+        seconds = self.seconds
+        if seconds != "auto" and (
+            isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0
+        ):
+            raise ConfigError(
+                f"watchdog.seconds must be a number of seconds >= 0 (0 = off) or auto, got {seconds!r}"
+            )
+        if self.first_step_seconds <= 0:
+            raise ConfigError(f"watchdog.first_step_seconds must be > 0, got {self.first_step_seconds}")
+        if self.stop_grace_seconds < 0:
+            raise ConfigError(
+                f"watchdog.stop_grace_seconds must be >= 0 (0 = off), got {self.stop_grace_seconds}"
+            )
+
+
+@dataclass
 class DebugConfig:
     """Checks that cost time; for tests and for chasing a misbehaving pod."""
 
@@ -349,6 +383,7 @@ class TrainConfig:
     ema: EmaConfig = field(default_factory=EmaConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def check(self) -> None:
         """Every section's own fields, then the top-level keys.
@@ -360,7 +395,7 @@ class TrainConfig:
         """
         for section in (self.data, self.optim, self.accelerator):
             section.check()
-        for section in (self.checkpoint, self.ema, self.augment, self.debug):
+        for section in (self.checkpoint, self.ema, self.augment, self.debug, self.watchdog):
             section.check()
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {self.seed}")

@@ -74,6 +74,8 @@ class RunPlan:
     resume_batch_size: int | None = None
     resume_own: bool = True  # the run folder's own checkpoint, not one named by resume=URL
     resume_epoch: int = 0  # the epoch resume_step is in
+    # The host's folder where replicas' watchdogs report (watchdog.Reports), made by launch.
+    watchdog_reports: str | None = None
 
     def partition(self, world_size: int, replica_batch: int) -> CanonicalPartition | None:
         """The training order's canonical partition on this shape (ConfigError where it cannot be read).

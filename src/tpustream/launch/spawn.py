@@ -19,6 +19,7 @@ handling, death with its parent, and the one way a failure is reported.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
@@ -34,8 +35,10 @@ from tpustream.launch.checks import native_processes
 from tpustream.launch.hosts import NativeHosts, native_hosts
 from tpustream.launch.plan import RunPlan, read_final_metrics
 from tpustream.launch.replica import run_replica
+from tpustream.launch.workers import local_replicas
 from tpustream.logs import setup_replica_logging
 from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers, starting_replicas
+from tpustream.watchdog import Limits, Reports, Watchdog, start_watchdog, stop_watchdog
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +113,17 @@ def launch(plan: RunPlan) -> dict[str, Any] | None:
         plan.cfg.output_dir,
         f"; resuming from {plan.resume_url}" if plan.resume_url else "",
     )
+    reports = Reports.create()
     try:
         with starting_replicas():
-            SPAWN[way](plan)
+            SPAWN[way](dataclasses.replace(plan, watchdog_reports=reports.path))
+    except BaseException:
+        # A watchdog that fired ended the replicas (76, or 75 after a stop it could not
+        # honour): that is the run's verdict, whatever their ends looked like from here.
+        reports.raise_verdict(plan.cfg.output_dir)
+        raise
     finally:
+        reports.remove()
         if plan.pretrained is not None:  # the host's copy of model.pretrained: the replicas are done
             with contextlib.suppress(FileNotFoundError):
                 os.remove(plan.pretrained[0])
@@ -165,6 +175,7 @@ def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable
     child = multiprocessing.parent_process() is not None  # a spawned child, not train.py itself
     if child:
         exit_with_parent()
+    watchdog = start_watchdog(replica_watchdog(plan, rank))
     try:
         run_replica(plan, make_runtime())
     except Preempted:
@@ -178,8 +189,24 @@ def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable
         log.error("replica %d failed:\n%s", rank, traceback.format_exc())
         raise
     finally:
+        stop_watchdog(watchdog)
         if child:  # its process ends with this replica (train.py itself freezes on its way out)
             skip_final_collection()
+
+
+def replica_watchdog(plan: RunPlan, rank: int) -> Watchdog:
+    """The progress watchdog of replica `rank` (tpustream.watchdog), not started."""
+    cfg = plan.cfg
+    reports = Reports(plan.watchdog_reports) if plan.watchdog_reports else None
+    return Watchdog(
+        Limits.from_config(cfg.watchdog),
+        rank,
+        cfg.output_dir,
+        log_dir=cfg.log_dir,
+        reports=reports,
+        local_replicas=local_replicas(cfg),
+        backstop=True,
+    )
 
 
 def xla_replica_main(index: int, plan: RunPlan) -> None:

@@ -29,6 +29,7 @@ NOT_THE_STEP = (
     "log_steps",
     "tensorboard",
     "debug",
+    "watchdog",
     "xla_cache_dir",
     "seed",
 )

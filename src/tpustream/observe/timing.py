@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tpustream import progress
 from tpustream.observe.trace_gaps import INPUT_WAIT
 
 
@@ -112,6 +113,7 @@ def timed(batches: Iterable, wait: InputWait | None) -> Iterator:
     iterator = iter(batches)
     while True:
         start = time.perf_counter()
+        progress.input_wait_started()
         try:
             if torch.autograd._profiler_enabled():
                 with torch.profiler.record_function(INPUT_WAIT):
@@ -120,6 +122,8 @@ def timed(batches: Iterable, wait: InputWait | None) -> Iterator:
                 batch = next(iterator)
         except StopIteration:
             return
+        finally:
+            progress.input_wait_ended()
         if wait is not None:
             wait.add(time.perf_counter() - start)
         yield batch

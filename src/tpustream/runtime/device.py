@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tpustream import progress
 from tpustream.observe.profiler import TraceCapture
 from tpustream.observe.timing import InputWait
 from tpustream.observe.xla import compilation_count, compile_seconds
@@ -143,9 +144,11 @@ def timed_parallel_loader(
 
         def next_item(self, device):
             start = time.perf_counter()
+            progress.input_wait_started()  # the step before was cut (compiled) in next()
             if gaps is not None:
                 gaps.handed_over(will_wait=self.nothing_ready(device))
             item = super().next_item(device)
+            progress.input_wait_ended()
             if wait is not None:
                 wait.add(time.perf_counter() - start)
             if gaps is not None:

@@ -16,6 +16,7 @@ import google_crc32c
 
 from tpustream.config.environment import positive_seconds
 from tpustream.errors import StorageError
+from tpustream.progress import ProgressStream
 from tpustream.storage.gcs_streams import GcsObjectStream, ReadAheadStream
 from tpustream.storage.scheme import ObjectStat
 
@@ -216,9 +217,14 @@ def write_bytes(url: str, data: bytes) -> None:
         # The client retries uploads only under a generation precondition.
         # Ours are whole-object writes of the same bytes, so repeating one
         # is harmless: retry transient errors (429, 5xx, resets) always.
-        blob.upload_from_file(io.BytesIO(data), size=len(data), rewind=True, retry=gcs_retry())
+        blob.upload_from_file(_uploaded(data), size=len(data), rewind=True, retry=gcs_retry())
     except gcs_failures() as exc:
         raise _gcs_error(url, exc) from exc
+
+
+def _uploaded(data: bytes) -> ProgressStream:
+    """data as the stream an upload reads, each read (a chunk of a resumable upload) progress."""
+    return ProgressStream(io.BytesIO(data), "bytes uploaded")
 
 
 # write_bytes_verified's temporary objects: "<name>.tmp-<12 hex digits>".
@@ -245,7 +251,7 @@ def write_bytes_verified(url: str, data: bytes) -> None:
     expected = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
     try:
         temp.upload_from_file(
-            io.BytesIO(data), size=len(data), rewind=True, checksum="crc32c", retry=gcs_retry()
+            _uploaded(data), size=len(data), rewind=True, checksum="crc32c", retry=gcs_retry()
         )
         if temp.crc32c != expected:
             raise StorageError(f"{url}: uploaded crc32c {temp.crc32c} differs from the data's {expected}")

@@ -12,11 +12,14 @@ from typing import BinaryIO
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from tpustream import progress
 from tpustream.errors import StorageError
 from tpustream.storage.scheme import ObjectStat
 
 FILE_SCHEME = "file://"
 LOCAL_READ_BUFFER_BYTES = 1024 * 1024
+# Writes go in pieces of this size, each one progress for the watchdog.
+WRITE_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def path_of(url: str) -> str:
@@ -100,7 +103,10 @@ def write_bytes(url: str, data: bytes) -> None:
         raise StorageError(f"{url}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            view = memoryview(data)
+            for start in range(0, len(view), WRITE_CHUNK_BYTES):
+                f.write(view[start : start + WRITE_CHUNK_BYTES])
+                progress.beat("bytes written")  # a slow disk or network file system is no hang
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

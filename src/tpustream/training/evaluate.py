@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tpustream import progress
 from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
 from tpustream.training.epoch_checks import first_distinct
@@ -78,6 +79,7 @@ class Evaluator:
                 loss_sum += (
                     F.cross_entropy(logits.float(), batch["label"], reduction="none") * batch["real"]
                 ).sum()
+                progress.step_finished("an evaluation step")
                 self.debug.watch_compiles("evaluation", index, first=first and index == 0)
                 if stop(index):
                     return None

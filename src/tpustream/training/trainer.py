@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from tpustream import checkpoint, preemption
+from tpustream import checkpoint, preemption, progress
 from tpustream.augment.transform import DeviceAugment
 from tpustream.config import TrainConfig
 from tpustream.observe.best import selected_accuracy
@@ -218,6 +218,8 @@ class Trainer(StepHooks):
         return first
 
     def _save(self, name: str, copies: tuple[str, ...] = (), then: Callable[[], None] = lambda: None) -> None:
+        if self._first_time("save"):  # its gathers and transfers compile
+            progress.expect_compile("the first save")
         position = (self.global_step, self.epoch, self.step)
         self.checkpoints.save(name, self.checkpoint_state, copies, position, then)
 
@@ -240,6 +242,7 @@ class Trainer(StepHooks):
             sums.add(loss, batch)
             tracker.add(self.replica_samples(batch))
             self.global_step += 1
+            progress.step_finished("a training step", epoch, step + 1)
             self.debug.watch_compiles("train", step, first=first_loop and index == 0)
             self.debug.after_train_step(self.model, self.global_step)
             if itstime(step, self.cfg.log_steps):
@@ -258,6 +261,8 @@ class Trainer(StepHooks):
                     self.debug.write_sample_log(self.train_loader.sample_ids, epoch, start_step, step + 1)
                     raise preemption.Preempted(f"stopped at epoch {epoch}, step {step + 1}")
         self.train_loader.raise_if_incomplete("train")
+        if first_loop:  # this process's first epoch end: its reductions compile
+            progress.expect_compile("the first epoch end")
         self.average_buffers()
         sample_ids = self.train_loader.sample_ids
         self.debug.after_train_epoch(self.model, self.global_step, epoch, start_step, sample_ids)
@@ -309,6 +314,8 @@ class Trainer(StepHooks):
             return stoppable and itstime(index + 1, check_every) and self._stop_agreed()
 
         first = self._first_time("evaluation")
+        if first:
+            progress.expect_compile("the first evaluation")
         metrics = self.evaluator.run(self.model, epoch, self.autocast, stop, first)
         if metrics is not None and self.ema is not None:
             # The same graph as the model's (same structure, other values): nothing compiles.

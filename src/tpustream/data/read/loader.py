@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from tpustream import progress, watchdog
 from tpustream.data.read.assemble import SlotBatches, in_background
 from tpustream.data.read.stream import ShardStream
 from tpustream.errors import DataError, TpustreamError
@@ -87,6 +88,8 @@ class CountingLoader:
         self.sample_ids: list[np.ndarray] = []
         self.bad_shards: list[str] = []  # this pass's shards with bad data, first MAX_BAD_SHARDS
         self.waits = BatchWaits()  # this pass's waits for batches, and for their making
+        if loader.num_workers > 0:
+            watchdog.watch_workers(self.worker_pids)  # a watchdog that fires asks them for their stacks
 
     def __len__(self) -> int:
         """Batches of the current pass."""
@@ -109,6 +112,7 @@ class CountingLoader:
         try:
             asked = time.monotonic()
             for batch in self.assembled():
+                progress.beat("a batch received")
                 waits.add(asked, time.monotonic(), batch.pop(MADE, None))
                 self.filled += int(batch.pop("filled"))
                 for url in batch.pop("bad_shards", ()):
@@ -191,6 +195,12 @@ class CountingLoader:
         with stop_signals_blocked():
             self.loader._iterator = self.loader._get_iterator()
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the DataLoader's worker processes now (none before they start)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        workers = getattr(iterator, "_workers", None) or []
+        return [worker.pid for worker in workers if worker.pid is not None and worker.is_alive()]
+
     def tell_workers_to_stop(self) -> None:
         """Ask the workers to leave their loop, without waiting (close waits).
 
@@ -249,8 +259,11 @@ def _unwrap_worker_error(exc: TpustreamError) -> TpustreamError:
     return exc
 
 
-def _start_worker(loader_pid: int, init: Callable[[int], None] | None, worker_id: int) -> None:
-    """A worker's first call: it dies with the process that made its loader; then the caller's init.
+def _start_worker(
+    loader_pid: int, dumps_folder: str | None, init: Callable[[int], None] | None, worker_id: int
+) -> None:
+    """A worker's first call: it dies with the process that made its loader, dumps its stacks
+    when that process's watchdog asks (watchdog.enable_worker_dumps); then the caller's init.
 
     The workers are forks of the fork server, so torch's worker watchdog,
     which follows a worker's parent, follows the server, and the server lives
@@ -259,6 +272,7 @@ def _start_worker(loader_pid: int, init: Callable[[int], None] | None, worker_id
     behind for good, deaf to SIGTERM.
     """
     exit_with_parent(parent=loader_pid)
+    watchdog.enable_worker_dumps(dumps_folder)
     if init is not None:
         init(worker_id)
 
@@ -292,7 +306,11 @@ def make_loader(
         # Workers start once per run, not per epoch: starting one costs a fork
         # of the fork server and its first batch's pipeline set-up.
         persistent_workers=num_workers > 0,
-        worker_init_fn=functools.partial(_start_worker, os.getpid(), worker_init_fn) if num_workers else None,
+        worker_init_fn=(
+            functools.partial(_start_worker, os.getpid(), watchdog.worker_dumps_folder(), worker_init_fn)
+            if num_workers
+            else None
+        ),
         multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
     decode = None

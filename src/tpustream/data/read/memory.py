@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tpustream import progress
 from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import SampleSpan
@@ -90,6 +91,7 @@ def load_split_memory(manifest: ShardManifest, decoder: ImageDecoder, on_error: 
     spans = [SampleSpan(shard.url, 0, shard.samples) for shard in manifest.shards]
     for sample in read_span_samples(spans, on_error, shard_index, [s.samples for s in manifest.shards]):
         shard, index = sample["__id__"] >> SHARD_ID_SHIFT, sample["__index__"]
+        progress.beat("a sample read into memory")  # a large split takes minutes to load
         delivered[shard] = index + 1
         try:
             image_rows[count], labels[count] = decoder(sample)
