@@ -111,6 +111,78 @@ def test_torchvision_and_built_in_runs_export_weights_and_how_to_build_them(tmp_
     }
 
 
+# Heads that are not a 2-D Linear weight read by its name, each in a small build (no weights downloaded).
+UNUSUAL_HEADS = [
+    ("torchvision", "squeezenet1_1", {}),  # a 1x1 convolution (classifier.1) before the pooling
+    ("torchvision", "mobilenet_v3_small", {}),  # a Sequential classifier: Linear, Hardswish, Dropout, Linear
+    ("timm", "test_convnext", {}),  # head.fc after head.norm
+    # head and head_dist, both of the class count; 32 px, one block
+    ("timm", "deit_tiny_distilled_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 1}),
+]
+
+
+@pytest.mark.parametrize("library, name, options", UNUSUAL_HEADS, ids=[case[1] for case in UNUSUAL_HEADS])
+def test_classifiers_with_any_head_export_and_load_with_their_library_alone(
+    tmp_path, capsys, library, name, options
+):
+    """The class count comes from data.num_classes where the run set it, else from the weights' shapes;
+    a count that does not fit the weights is one line naming the tensor (squeezenet1_1: 'cannot rebuild
+    model torchvision/squeezenet1_1 with options {}' and nothing more, before)."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(5)
+    model = create_model(name, num_classes=10, image_size=32, channels=3, library=library, **options)
+    model_cfg = {"library": library, "name": name, "options": options}
+    for recorded in (None, 10):  # the shards' count (not in the config), then data.num_classes=10
+        run = write_run(
+            str(tmp_path / f"run-{recorded}"),
+            model_cfg,
+            model.state_dict(),
+            {**DATA, "num_classes": recorded},
+        )
+        out = tmp_path / f"export-{recorded}"
+        assert export_main([run, "--out", str(out)]) == 0, capsys.readouterr().err
+        if library == "timm":
+            import timm
+
+            loaded = timm.create_model(f"local-dir:{out}", pretrained=True)
+        else:
+            import torchvision
+
+            described = json.loads((out / "config.json").read_text())
+            assert (described["name"], described["num_classes"]) == (name, 10)
+            loaded = torchvision.models.get_model(name, num_classes=described["num_classes"])
+            loaded.load_state_dict(load_file(str(out / "model.safetensors")))
+        for key, tensor in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], tensor), key
+    run = write_run(str(tmp_path / "wrong"), model_cfg, model.state_dict(), {**DATA, "num_classes": 4})
+    assert export_main([run]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert f"cannot rebuild model {library}/{name}" in error
+    assert "with 4 classes (data.num_classes) on 3 channel(s)" in error and "saved" in error
+
+
+@pytest.mark.slow
+def test_every_torchvision_classifier_built_on_the_meta_device_exports():
+    """Shapes only (meta device): each torchvision classifier's class count is read back from its weights.
+
+    Its regnets are left out: their constructors read tensor values, which the
+    meta device has not, so the checks before spawning refuse them too.
+    """
+    from tpustream.models.export import rebuild_arguments
+    from tpustream.models.from_torchvision import classifier_names
+
+    for name in classifier_names():
+        if name.startswith("regnet_"):
+            continue
+        with torch.device("meta"):
+            weights = create_model(name, num_classes=7, image_size=224, channels=3, library="torchvision")
+        model_cfg = {"library": "torchvision", "name": name, "options": {}}
+        rebuilt = rebuild_arguments(model_cfg, weights.state_dict(), {"image_size": 224})
+        assert (rebuilt["num_classes"], rebuilt["channels"]) == (7, 3), name
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert export_main([str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.count("\n") == 1

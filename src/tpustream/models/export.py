@@ -64,8 +64,7 @@ import torch
 from tpustream import storage
 from tpustream.config import DataConfig, TrainCrop
 from tpustream.errors import ConfigError, TpustreamError
-from tpustream.models.pretrained import classifier_names
-from tpustream.models.registry import create_model
+from tpustream.models.registry import create_model, describe_exception
 
 EXPORT_FOLDER = "export"
 # What the run's evaluation resized with (crops.decode_crop), in timm's and torchvision's names.
@@ -163,49 +162,100 @@ def save_timm_export(model: torch.nn.Module, folder: str, model_args: dict, prep
 
 
 def rebuild_arguments(model_cfg: dict, weights: dict[str, torch.Tensor], data_cfg: dict) -> dict:
-    """num_classes, channels and image_size that build a model with exactly these weights' shapes.
+    """num_classes, channels and image_size that build the config's model with exactly these weights' shapes.
 
-    Checkpoints record the config, not the data's shapes: they are read back
-    from the weights by building candidates on the meta device.
+    data.num_classes and data.channels are the run's where its config sets
+    them. A run that took them from its shards' manifest (data.* left unset,
+    the usual case) recorded neither, and they are read back from the weights
+    (count_classes). image_size is the side the run evaluated (data_cfg's).
+    Either way the model is built on the meta device and every tensor's shape
+    is compared, so a class count that does not fit is named, not loaded.
     """
     library, name, options = (
         model_cfg.get("library", "tpustream"),
         model_cfg["name"],
-        model_cfg.get("options", {}),
+        model_cfg.get("options") or {},
     )
-    sizes = [s for s in (data_cfg.get("image_size"), 32, 224) if s]
+    where = f"model {library}/{name} with options {options}"
+    image_size = data_cfg["image_size"]
     wanted = {key: tuple(t.shape) for key, t in weights.items()}
-    for channels in (data_cfg.get("channels") or 3, 1, 3):
-        for image_size in sizes:
+
+    def shapes_built(num_classes: int, channels: int) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
             try:
-                with torch.device("meta"):
-                    probe = create_model(
-                        name,
-                        num_classes=1,
-                        image_size=image_size,
-                        channels=channels,
-                        library=library,
-                        **options,
-                    )
-                    heads = [k for k in classifier_names(probe) if k in wanted and len(wanted[k]) == 2]
-                    if not heads:
-                        continue
-                    num_classes = wanted[heads[0]][0]
-                    model = create_model(
-                        name,
-                        num_classes=num_classes,
-                        image_size=image_size,
-                        channels=channels,
-                        library=library,
-                        **options,
-                    )
-            except (ConfigError, TypeError, ValueError, RuntimeError):
-                continue
-            if {key: tuple(t.shape) for key, t in model.state_dict().items()} == wanted:
-                return {"num_classes": num_classes, "channels": channels, "image_size": image_size}
-    raise ConfigError(
-        f"cannot rebuild model {library}/{name} with options {options} from the checkpoint's weights"
-    )
+                model = create_model(
+                    name,
+                    num_classes=num_classes,
+                    image_size=image_size,
+                    channels=channels,
+                    library=library,
+                    **options,
+                )
+            except ConfigError:
+                raise
+            except Exception as exc:  # the constructor refused: its own words
+                raise ConfigError(describe_exception(exc)) from None
+        return {key: tuple(t.shape) for key, t in model.state_dict().items()}
+
+    # Unset in the config: 3 channels first, as most runs have (the 1-channel
+    # candidate would read a 3-channel stem as a class count; the full
+    # comparison below refuses that).
+    candidates = [data_cfg["channels"]] if data_cfg.get("channels") else [3, 1]
+    reasons = []
+    for channels in candidates:
+        try:
+            num_classes = data_cfg.get("num_classes") or count_classes(shapes_built(1, channels), wanted)
+            difference = describe_shape_difference(wanted, shapes_built(num_classes, channels))
+        except ConfigError as exc:
+            reasons.append(f"on {channels} channel(s): {exc}")
+            continue
+        if difference is None:
+            return {"num_classes": num_classes, "channels": channels, "image_size": image_size}
+        given = "data.num_classes" if data_cfg.get("num_classes") else "read from the weights"
+        reasons.append(f"with {num_classes} classes ({given}) on {channels} channel(s), {difference}")
+    raise ConfigError(f"cannot rebuild {where} from the checkpoint's weights: {reasons[0]}")
+
+
+def count_classes(one_class: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> int:
+    """The class count of weights `wanted`, from the shapes of the same model built for one class.
+
+    The tensors whose shapes differ are the head, whatever its kind (a Linear,
+    a Sequential ending in one, SqueezeNet's 1x1 convolution, a ViT's head and
+    distillation head): a dimension that is 1 there and N in the weights says
+    N classes. Reading the head by its name or layer type missed the kinds
+    that are not a 2-D Linear weight.
+    """
+    counts = {
+        saved
+        for key, built in one_class.items()
+        if key in wanted and len(wanted[key]) == len(built)
+        for built_side, saved in zip(built, wanted[key], strict=True)
+        if built_side == 1 and saved != 1
+    }
+    if len(counts) > 1:
+        raise ConfigError(f"the weights' shapes give several class counts ({sorted(counts)}), not one")
+    return counts.pop() if counts else 1
+
+
+def describe_shape_difference(
+    wanted: dict[str, tuple[int, ...]], built: dict[str, tuple[int, ...]]
+) -> str | None:
+    """How the rebuilt model's tensors differ from the weights' (None: same names and shapes)."""
+    missing = sorted(set(built) - set(wanted))
+    unexpected = sorted(set(wanted) - set(built))
+    differ = sorted(key for key in set(wanted) & set(built) if wanted[key] != built[key])
+    parts = []
+    if differ:
+        first = differ[0]
+        parts.append(
+            f"{len(differ)} tensor(s) differ in shape (first {first}: {wanted[first]} saved, "
+            f"{built[first]} rebuilt)"
+        )
+    if missing:
+        parts.append(f"{len(missing)} missing from the weights (first {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} not in the model (first {unexpected[0]})")
+    return "; ".join(parts) or None
 
 
 def chosen_weights(state: dict, url: str, weights: str) -> dict[str, torch.Tensor]:
