@@ -121,9 +121,10 @@ def test_a_state_over_asynchronous_max_bytes_is_saved_before_training_goes_on(tm
             writer.save(LAST, lambda step=step: state_of(torch.ones(8), step), position=(step, 0, step))
             assert writer.background.in_flight is None and load_checkpoint(url)["global_step"] == step
     warnings = [r.getMessage() for r in caplog.records if "saving synchronously" in r.getMessage()]
+    # Sizes in units that tell them apart (a few bytes read "0.00 GB" against "0.00 GB").
     assert warnings == [
-        "checkpoint: the state's host copy (0.00 GB) is more than checkpoint.asynchronous_max_bytes "
-        "(0.00 GB): saving synchronously, training waits for each write"
+        "checkpoint: the state's host copy (32 B) is more than checkpoint.asynchronous_max_bytes=16 "
+        "(16 B): saving synchronously, training waits for each write"
     ]
 
 

@@ -26,6 +26,7 @@ from tpustream.checkpoint.background import BackgroundWriter
 from tpustream.checkpoint.local_tier import local_checkpoint_url
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
+from tpustream.observe.xla import format_bytes
 from tpustream.runtime import Runtime
 from tpustream.runtime.device import tensor_bytes
 from tpustream.runtime.staging import HostStaging
@@ -160,13 +161,17 @@ class CheckpointWriter:
         self.staging.release()  # a synchronous save's copy is freed once written
         if not self._said_synchronous:
             self._said_synchronous = True
-            what = "the memory available" if self.max_bytes is None else "checkpoint.asynchronous_max_bytes"
+            # In units that show the difference: a 1000-byte limit read "0.00 GB", as did the state.
+            what = (
+                f"the memory available ({format_bytes(limit)})"
+                if self.max_bytes is None
+                else f"checkpoint.asynchronous_max_bytes={self.max_bytes} ({format_bytes(limit)})"
+            )
             log.warning(
-                "checkpoint: the state's host copy (%.2f GB) is more than %s (%.2f GB): saving "
-                "synchronously, training waits for each write",
-                size / 1e9,
+                "checkpoint: the state's host copy (%s) is more than %s: saving synchronously, "
+                "training waits for each write",
+                format_bytes(size),
                 what,
-                limit / 1e9,
             )
         return False
 
