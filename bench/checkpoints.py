@@ -173,7 +173,7 @@ def measure(name: str, saves: int, batch_size: int, folder: str, kind: str = "cp
             in_flight = asynchronous.background.in_flight is not None
             (busy_steps if in_flight else idle_steps).append(timed(training.step))
     asynchronous.wait_durable()
-    _, background = asynchronous.take_seconds()
+    background = asynchronous.take_seconds().write
     idle_steps += [timed(training.step) for _ in range(2)]  # the same steps with no write in flight
     return {
         "model": name,

@@ -137,3 +137,49 @@ def test_the_vcpus_counted_are_the_ones_this_process_may_run_on(monkeypatch):
     assert advice.usable_cpus() == 4
     monkeypatch.delattr(advice.os, "sched_getaffinity")  # as on macOS
     assert advice.usable_cpus() == 64
+
+
+def saves(stall: float, copy: float | None, writer_wait: float | None = 0.0) -> list[dict]:
+    """Three epochs of 10 s whose loop waited `stall` seconds for saves, split as given."""
+    parts = (
+        {}
+        if copy is None
+        else {"checkpoint_copy_seconds": copy, "checkpoint_writer_wait_seconds": writer_wait}
+    )
+    return [
+        {"epoch": number, "checkpoint_stall_seconds": stall, "epoch_seconds": 10.0, **parts}
+        for number in range(3)
+    ]
+
+
+def test_the_saving_advice_says_what_the_loop_waited_for_and_names_only_changes_not_made():
+    from tpustream.observe.advice import SavingSettings
+
+    # The issue's run: asynchronous (the default), every 3 steps, the wait almost all the host copy.
+    every_3 = SavingSettings(every_n_steps=3, asynchronous=True)
+    (finding,) = advise(saves(2.8, copy=2.7), saving=every_3)
+    assert finding.startswith("host-bound: training waited for checkpoints up to 28% of an epoch, 96% of it")
+    assert "in the state's copy to host memory, which every save makes, written in the background" in finding
+    assert finding.endswith(": raise checkpoint.every_n_steps from 3 (or 0: epoch ends only)")
+    assert "asynchronous" not in finding.split(":")[-1] and "bucket" not in finding
+    # Saving at epoch ends only already: nothing in checkpoint.* to change, and none named.
+    (finding,) = advise(saves(2.8, copy=2.7), saving=SavingSettings(0, True))
+    assert finding.endswith("; checkpoint.every_n_steps=0 already saves at epoch ends only")
+    assert "raise" not in finding
+    # Synchronous saves waiting for their writing: asynchronous is the change.
+    (finding,) = advise(saves(2.8, copy=0.3), saving=SavingSettings(3, False))
+    assert "89% of it for writing saves synchronously (checkpoint.asynchronous=false)" in finding
+    assert "turn checkpoint.asynchronous on (the writing then overlaps training)" in finding
+    # Asynchronous, but each save waited for the previous one's writing: the writer was slower.
+    (finding,) = advise(saves(2.8, copy=0.3, writer_wait=2.4), saving=every_3)
+    assert "86% of it for the background writer to finish the previous save" in finding
+    assert finding.endswith(
+        "raise checkpoint.every_n_steps from 3 (or 0: epoch ends only), or save to a closer bucket"
+    )
+    # Older lines: no split and unknown settings; the old advice, asynchronous only if it is off.
+    (finding,) = advise(saves(2.8, copy=None))
+    assert finding == (
+        "host-bound: training waited for checkpoints up to 28% of an epoch: raise checkpoint.every_n_steps "
+        "(or 0: epoch ends only), turn checkpoint.asynchronous on if it is off, or save to a closer bucket"
+    )
+    assert advise(saves(0.5, copy=0.5), saving=every_3) == []  # 5%: not worth a look

@@ -222,3 +222,16 @@ def test_a_run_given_with_its_synthetic_twin_shows_each_epochs_share_of_its_rate
     assert table[3].split()[:6] == ["synthetic", "synth.", "250.0", "-", "-", "0.0%"]
     alone = report([two_runs[0], other], None, draw=False)
     assert "of synth." not in alone
+
+
+def test_the_saving_advice_reads_the_runs_checkpoint_settings(tmp_path):
+    run = str(tmp_path / "saving")
+    lines = [epoch(number, 0.5, 1000.0, 0.01) for number in range(3)]
+    for line in lines:
+        line.update(
+            checkpoint_stall_seconds=2.8, checkpoint_copy_seconds=2.7, checkpoint_writer_wait_seconds=0.0
+        )
+    write_metrics(run, lines)
+    write_config(run, {"output_dir": run, "checkpoint": {"every_n_steps": 3, "asynchronous": True}})
+    (finding,) = [line for line in report([run], None, draw=False).splitlines() if line.startswith("advice:")]
+    assert finding.endswith("raise checkpoint.every_n_steps from 3 (or 0: epoch ends only)")

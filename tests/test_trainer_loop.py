@@ -40,6 +40,8 @@ METRICS_KEYS = {
     "step_seconds",
     "checkpoint_stall_seconds",
     "checkpoint_write_seconds",
+    "checkpoint_copy_seconds",
+    "checkpoint_writer_wait_seconds",
     "val_accuracy",
     "val_correct",
     "val_samples",

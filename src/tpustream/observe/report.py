@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpustream import storage
-from tpustream.observe.advice import advise, advise_runs, mean_of, measured
+from tpustream.observe.advice import SavingSettings, advise, advise_runs, mean_of, measured
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
 from tpustream.observe.synthetic import describe_synthetic, is_synthetic, synthetic_twin_rate
@@ -191,7 +191,12 @@ def report(urls: Sequence[str], plot_url: str | None, draw: bool = True) -> str:
         (run,) = real or runs
         synthetic_rate = twins.get(run.name)
         config = run.config.get("data", {})
-        findings = advise(run.records, config.get("num_workers"), synthetic_rate=synthetic_rate)
+        findings = advise(
+            run.records,
+            config.get("num_workers"),
+            synthetic_rate=synthetic_rate,
+            saving=SavingSettings.from_config(run.config),
+        )
         table = run.records and epoch_table(run, synthetic_rate)
         text = "\n".join(part for part in (run.url, table, run.note) if part)
         if synthetic_rate:

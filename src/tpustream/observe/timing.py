@@ -141,6 +141,11 @@ class Breakdown:
     # in the background or not (only the master writes; a background write counts once done).
     checkpoint_stall_seconds: float
     checkpoint_write_seconds: float = 0.0
+    # Of the stall: taking the state and copying it to host memory (under XLA this first waits
+    # for the device to run the steps queued before it), and waiting for the background writer
+    # to finish the previous save. The rest is synchronous writing and barriers (training.saving).
+    checkpoint_copy_seconds: float = 0.0
+    checkpoint_writer_wait_seconds: float = 0.0
     # The device's gaps between steps, and the part of them that followed a wait for input;
     # None where the runtime cannot see the device (observe.idle).
     device_idle_seconds: float | None = None
@@ -186,6 +191,10 @@ def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float]:
         "step_seconds": mean(r.step_seconds for r in replicas),
         "checkpoint_stall_seconds": mean(r.checkpoint_stall_seconds for r in replicas),
         "checkpoint_write_seconds": max(r.checkpoint_write_seconds for r in replicas),
+        # The slowest replica's (the master's: it alone copies and writes), which every replica
+        # waits for at the save's barrier: the parts of the stall, not a mean that dilutes them.
+        "checkpoint_copy_seconds": max(r.checkpoint_copy_seconds for r in replicas),
+        "checkpoint_writer_wait_seconds": max(r.checkpoint_writer_wait_seconds for r in replicas),
     }
     # The device's shares only where every replica measured them: a mean of some would be invented.
     bound = [r.input_bound_fraction for r in replicas]
@@ -218,7 +227,14 @@ class LoopTimer:
         self.compiled_before = compile_seconds()
         self.start = time.time()
 
-    def breakdown(self, checkpoint_stall_seconds: float, checkpoint_write_seconds: float) -> Breakdown:
+    def breakdown(
+        self,
+        checkpoint_stall_seconds: float,
+        checkpoint_write_seconds: float,
+        checkpoint_copy_seconds: float = 0.0,
+        checkpoint_writer_wait_seconds: float = 0.0,
+    ) -> Breakdown:
+        """The loop so far; the saving's seconds as training.saving's take_seconds gives them."""
         train_seconds = time.time() - self.start
         # At the epoch's end (the trainer reads its loss next): CUDA events are read here.
         idle = self.wait.gaps.settle() if self.wait.gaps is not None else None
@@ -228,6 +244,8 @@ class LoopTimer:
             compile_seconds=self.compile_seconds() - self.compiled_before,
             checkpoint_stall_seconds=checkpoint_stall_seconds,
             checkpoint_write_seconds=checkpoint_write_seconds,
+            checkpoint_copy_seconds=checkpoint_copy_seconds,
+            checkpoint_writer_wait_seconds=checkpoint_writer_wait_seconds,
             device_idle_seconds=None if idle is None else idle[0],
             input_bound_seconds=None if idle is None else idle[1],
             input_waits=getattr(self.source, "waits", None),

@@ -21,7 +21,7 @@ import torch
 from tpustream import checkpoint, observe
 from tpustream.config import Decode, Device, TrainConfig, TrainCrop
 from tpustream.errors import StorageError
-from tpustream.observe.advice import advise, usable_cpus
+from tpustream.observe.advice import SavingSettings, advise, usable_cpus
 from tpustream.observe.chips import chip_from_accelerator_type, mfu
 from tpustream.observe.flops import TRAINING_FACTOR
 from tpustream.runtime import Runtime
@@ -50,6 +50,8 @@ OPTIONAL_SCALARS = {
     "time/step_seconds": "step_seconds",
     "time/checkpoint_stall_seconds": "checkpoint_stall_seconds",
     "time/checkpoint_write_seconds": "checkpoint_write_seconds",
+    "time/checkpoint_copy_seconds": "checkpoint_copy_seconds",
+    "time/checkpoint_writer_wait_seconds": "checkpoint_writer_wait_seconds",
 }
 
 
@@ -90,6 +92,10 @@ class EpochRecord:
     # background, overlapped with training). Lines before 2026-11-27 had checkpoint_seconds (the stall).
     checkpoint_stall_seconds: float | None = None
     checkpoint_write_seconds: float | None = None
+    # Of the stall: the state's copy to host memory, and the wait for the background writer's
+    # previous save (observe.timing.Breakdown); absent in lines before 2026-11-28.
+    checkpoint_copy_seconds: float | None = None
+    checkpoint_writer_wait_seconds: float | None = None
     val_accuracy: float | None = None
     val_correct: int | None = None
     val_samples: int | None = None
@@ -387,6 +393,7 @@ class EpochReporter:
                 local_replicas=self.local_replicas,
                 gpu_could_decode=gpu_could_decode and data.decode == Decode.host,
                 gpu_decodes=data.decode == Decode.device,
+                saving=SavingSettings(self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint.asynchronous),
             )
             for finding in findings:
                 log.info("advice: %s", finding)

@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpustream import checkpoint, preemption
 from tpustream.checkpoint.background import BackgroundWriter
@@ -46,12 +46,28 @@ def available_host_bytes() -> int | None:
     return None
 
 
+class SaveSeconds(NamedTuple):
+    """A writer's saving since the previous take_seconds, in the order LoopTimer.breakdown takes it.
+
+    stall: what the training loop waited for saves; write: the serialising
+    and writing, in the background or not. Of the stall, copy is taking the
+    state and copying it to host memory (what every save costs the loop,
+    asynchronous or not; under XLA it first waits for the device to run the
+    steps queued before it), writer_wait the wait for the background writer
+    to finish the previous save; the rest is synchronous writing and barriers.
+    """
+
+    stall: float
+    write: float
+    copy: float
+    writer_wait: float
+
+
 class CheckpointWriter:
     """best.pt and last.pt of a run folder; what storage refused is kept locally and named at the end.
 
-    stall_seconds is what the training loop waited for saves (host copy,
-    barrier, a wait for the previous save); write_seconds is the serialising
-    and writing, in the background or not. Both count since take_seconds.
+    What the training loop waits for, and what it does not, counts in
+    SaveSeconds' parts, since take_seconds.
     """
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime):
@@ -72,6 +88,8 @@ class CheckpointWriter:
         self.staging = HostStaging(pin_memory=getattr(runtime.device, "type", "") == "cuda")
         self.stall_seconds = 0.0
         self.write_seconds = 0.0
+        self.copy_seconds = 0.0
+        self.writer_wait_seconds = 0.0
         self._last_save: tuple | None = None
         self._said_synchronous = False
 
@@ -100,7 +118,7 @@ class CheckpointWriter:
         if position is not None and key == self._last_save:
             log.info("%s at this position is saved already (or being written); not saving it again", name)
             if self.background is not None:
-                self.background.wait_until_finished()  # then follows the files, as always
+                self._wait_for_writer()  # then follows the files, as always
             then()
         else:
             self._last_save = key
@@ -113,12 +131,14 @@ class CheckpointWriter:
         local = self.local_first if name == checkpoint.LAST else None
         if self.background is not None:
             # First: the previous save is written, and its host buffers free for this copy.
-            self.background.wait_until_finished()
+            self._wait_for_writer()
+        started = time.perf_counter()
         whole = state()
         in_background = self._in_background(whole)
         # Asynchronous: into the staging buffers the previous save used (no fresh memory to fault in).
         host_state = self.runtime.state_to_host(whole, self.staging if in_background else None)
         del whole
+        self.copy_seconds += time.perf_counter() - started
         if host_state is not None and in_background:
             holder = [host_state]
             del host_state  # the writer alone holds the copy while it is written
@@ -175,6 +195,12 @@ class CheckpointWriter:
             )
         return False
 
+    def _wait_for_writer(self) -> None:
+        """Wait for the background writer's save in flight (counted apart: the writer was slower)."""
+        start = time.perf_counter()
+        self.background.wait_until_finished()
+        self.writer_wait_seconds += time.perf_counter() - start
+
     def wait_durable(self) -> None:
         """Every save made so far is written (or kept locally) when this returns; a collective (a barrier)."""
         start = time.perf_counter()
@@ -211,12 +237,14 @@ class CheckpointWriter:
         except Exception as exc:  # the run's own error is the one to report
             log.error("the checkpoint being written failed too: %s", exc)
 
-    def take_seconds(self) -> tuple[float, float]:
-        """(stall, write) seconds since the previous call; write counts background saves finished since."""
+    def take_seconds(self) -> SaveSeconds:
+        """The saving since the previous call; write counts background saves finished since."""
         if self.background is not None:
             self.write_seconds += self.background.take_write_seconds()
-        seconds = (self.stall_seconds, self.write_seconds)
-        self.stall_seconds = self.write_seconds = 0.0
+        seconds = SaveSeconds(
+            self.stall_seconds, self.write_seconds, self.copy_seconds, self.writer_wait_seconds
+        )
+        self.stall_seconds = self.write_seconds = self.copy_seconds = self.writer_wait_seconds = 0.0
         return seconds
 
     def raise_if_unsaved(self) -> None:
