@@ -139,6 +139,86 @@ def test_the_vcpus_counted_are_the_ones_this_process_may_run_on(monkeypatch):
     assert advice.usable_cpus() == 64
 
 
+def resumed_run(*epochs_: tuple[str, str, int, bool]) -> list[dict]:
+    """Lines naming their processes, each (ended by, trained by, compilations, evaluated)."""
+    return [
+        {
+            "epoch": number,
+            "compilations": total,
+            "process": ended_by,
+            "train_process": trained_by,
+            "global_rate": 1000.0,
+            **({"val_accuracy": 0.5} if evaluated else {}),
+        }
+        for number, (ended_by, trained_by, total, evaluated) in enumerate(epochs_)
+    ]
+
+
+def test_a_resumed_processs_first_compiles_are_not_recompiles():
+    """A run stopped and resumed: each process compiled its graphs once, in the epoch it resumed in."""
+    from tpustream.observe.advice import process_epochs
+
+    # The issue's digits run: stopped after epoch 0's training (the next process evaluated it and
+    # compiled 1 graph), then in epoch 1 (a third compiled its 5 there, and nothing after).
+    records = resumed_run(("p2", "p1", 1, True), ("p3", "p3", 5, True), ("p3", "p3", 5, True))
+    assert advise(records) == []
+    assert [e.compiles for e in process_epochs(records)] == [1, 5, 0]
+    assert [e.started for e in process_epochs(records)] == [True, True, False]
+    # Without the third stop: the second process's first training loop compiled in epoch 1.
+    records = resumed_run(("p2", "p1", 1, True), ("p2", "p2", 5, True), ("p2", "p2", 5, True))
+    assert advise(records) == []
+    # What a process compiles after its first loop and evaluation is a recompile, named per process.
+    records = resumed_run(("p2", "p1", 1, True), ("p2", "p2", 5, True), ("p2", "p2", 7, True))
+    (finding,) = advise(records)
+    assert finding.startswith("compile-bound: 2 graph(s) compiled after epoch 0 (by epoch 2)")
+    records = resumed_run(
+        ("p2", "p1", 1, True),
+        ("p2", "p2", 5, True),
+        ("p2", "p2", 7, True),
+        ("p3", "p3", 5, True),
+        ("p3", "p3", 6, True),
+    )
+    (finding,) = advise(records)
+    assert finding.startswith(
+        "compile-bound: 3 graph(s) compiled after its process's first epoch (by epoch 2)"
+    )
+
+
+def test_lines_that_name_no_process_are_split_by_their_set_up_time_or_a_count_that_fell():
+    lines = [
+        {"epoch": 0, "compilations": 1, "val_accuracy": 0.1, "setup_seconds": 5.0},
+        {"epoch": 1, "compilations": 5, "val_accuracy": 0.2, "setup_seconds": 5.0},  # resumed in
+        {"epoch": 2, "compilations": 5, "val_accuracy": 0.3},
+    ]
+    assert advise(lines) == []
+    lines[1].pop("setup_seconds")  # no start time given: a count that rose is a recompile
+    assert advise(lines)[0].startswith("compile-bound: 4 graph(s)")
+    lines[1]["compilations"] = 0  # ... and one that fell starts a process (its 0 are its own)
+    assert advise([*lines[:2], {**lines[2], "compilations": 0}]) == []
+
+
+def test_a_first_evaluation_after_epoch_0_compiles_its_graph_once():
+    """eval_every=2: the evaluation graph compiles in epoch 1, the first evaluated one."""
+    records = resumed_run(
+        ("p1", "p1", 3, False), ("p1", "p1", 4, True), ("p1", "p1", 4, False), ("p1", "p1", 5, True)
+    )
+    assert advise(records[:3]) == []
+    (finding,) = advise(records)  # a second evaluation that compiles: a recompile
+    assert finding.startswith("compile-bound: 1 graph(s) compiled after epoch 0 (by epoch 3)")
+
+
+def test_the_steady_epochs_leave_out_those_a_process_resumed_in():
+    from tpustream.observe.advice import measured
+
+    records = resumed_run(("p1", "p1", 3, True), ("p2", "p2", 3, True), ("p2", "p2", 3, True))
+    records[1]["global_rate"] = 120.0  # its rate includes compiling the resumed process's graphs
+    assert [r["epoch"] for r in measured(records)] == [2]
+    assert [r["epoch"] for r in measured(records[:2])] == [1]  # nothing steady: all but epoch 0
+    # A stop between training and evaluation: the next process only evaluated epoch 0.
+    records = resumed_run(("p2", "p1", 1, True), ("p2", "p2", 3, True), ("p2", "p2", 3, True))
+    assert [r["epoch"] for r in measured(records)] == [2]
+
+
 def saves(stall: float, copy: float | None, writer_wait: float | None = 0.0) -> list[dict]:
     """Three epochs of 10 s whose loop waited `stall` seconds for saves, split as given."""
     parts = (

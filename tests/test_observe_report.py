@@ -224,6 +224,31 @@ def test_a_run_given_with_its_synthetic_twin_shows_each_epochs_share_of_its_rate
     assert "of synth." not in alone
 
 
+def test_an_epoch_a_process_resumed_in_is_marked_and_its_start_is_not_a_recompile(tmp_path):
+    """A run stopped twice: the epoch a process resumed in says so; its compiles are that process's first."""
+    run = str(tmp_path / "resumed")
+    lines = [epoch(number, 0.5, rate, 0.01) for number, rate in enumerate((1000.0, 120.0, 1000.0))]
+    for line, process, trained_by, total in zip(
+        lines, ("p2", "p3", "p3"), ("p1", "p3", "p3"), (1, 5, 5), strict=True
+    ):
+        line.update(process=process, train_process=trained_by, compilations=total)
+    write_metrics(run, lines)
+    write_config(
+        run,
+        {
+            "output_dir": run,
+            "data": {"num_workers": 2},
+            "checkpoint": {"every_n_steps": 5, "asynchronous": True},
+        },
+    )
+    text = report([run], None, draw=False)
+    rows = text.splitlines()[2:5]
+    assert [row.split()[-1] for row in rows] == ["1", "resumed", "0"]
+    assert rows[1].split()[-2] == "5"
+    assert "resumed: the first epoch a resumed process trained or ended; its samples/s and compiles" in text
+    assert "compile-bound" not in text
+
+
 def test_the_saving_advice_reads_the_runs_checkpoint_settings(tmp_path):
     run = str(tmp_path / "saving")
     lines = [epoch(number, 0.5, 1000.0, 0.01) for number in range(3)]

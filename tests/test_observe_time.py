@@ -189,7 +189,9 @@ def test_a_model_the_counter_cannot_run_gets_no_flops_and_the_run_goes_on(caplog
     assert "model FLOPs not counted (RuntimeError: no meta kernel for this op)" in caplog.text
 
 
-def test_the_saving_stalls_parts_are_the_slowest_replicas():
+def test_the_saving_stalls_parts_are_the_slowest_replicas_and_the_loop_names_its_process():
+    from tpustream.observe.timing import process_token
+
     def replica(copy: float, writer_wait: float) -> Breakdown:
         return Breakdown(
             10.0, 0.0, 0.0, 1.0, 0.5, checkpoint_copy_seconds=copy, checkpoint_writer_wait_seconds=writer_wait
@@ -198,6 +200,7 @@ def test_the_saving_stalls_parts_are_the_slowest_replicas():
     # The master copies and waits for its writer; every replica waits for it at the save's barrier.
     fields = reduce_breakdowns([replica(0.8, 0.1), replica(0.01, 0.0)])
     assert (fields["checkpoint_copy_seconds"], fields["checkpoint_writer_wait_seconds"]) == (0.8, 0.1)
+    assert fields["train_process"] == process_token()
     # What training.saving's take_seconds gives, in the order breakdown takes it.
     breakdown = LoopTimer(lambda: 0.0).breakdown(*(1.0, 0.5, 0.7, 0.2))
     assert (breakdown.checkpoint_copy_seconds, breakdown.checkpoint_writer_wait_seconds) == (0.7, 0.2)

@@ -134,3 +134,12 @@ def test_the_evaluation_line_of_eval_only_shows_top5(tmp_path, caplog):
     assert caplog.messages == [
         "evaluation of the checkpoint from epoch 1: accuracy=16.71% (60/359) top5=61.28% loss=2.1587"
     ]
+
+
+def test_a_record_names_the_process_that_made_it_and_a_line_read_back_keeps_its_own():
+    from tpustream.observe.timing import process_token
+
+    made = EpochRecord(**{k: v for k, v in LINE.items() if k != "setup_seconds"})
+    assert made.process == process_token() and made.to_dict()["process"] == process_token()
+    assert EpochRecord.from_dict(LINE).process is None  # written before records named it: not the reader
+    assert EpochRecord.from_dict({**LINE, "process": "1-abc"}).to_dict()["process"] == "1-abc"

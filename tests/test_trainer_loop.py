@@ -52,6 +52,8 @@ METRICS_KEYS = {
     "val_filled",
     "compilations",
     "epoch_seconds",
+    "process",
+    "train_process",
 }
 
 

@@ -9,7 +9,11 @@ device's own idle time, then the training thread's wait for batches, which
 alone cannot tell a starved device from a busy one (issue 34: a run at 98%
 of its GPU's own rate waited 29% of the time and was told to add workers).
 
-A finding names only changes the run has not made.
+A resumed run is several processes: each counts its compilations from 0 and
+compiles its graphs once, and the epoch it resumed in carries its start in its
+rate. ``process_epochs`` reads the records per process, so neither is taken
+for a recompilation or a steady rate (a run stopped five times was told it
+was compile-bound). A finding names only changes the run has not made.
 """
 
 from __future__ import annotations
@@ -40,8 +44,80 @@ WORKERS_KEY = "data.num_workers"
 RUN_FOLDERS = ("output_dir", "log_dir")
 
 
+@dataclass(frozen=True)
+class EpochProcess:
+    """What an epoch record says once read beside the records before it, per process.
+
+    compiles: graphs compiled in the epoch (a process's whole count in its first
+    record). started: the epoch's training loop was its process's first (the
+    run's start or a resume): its rate and waits include compiling and starting
+    the loaders. recompiles: compiles that were not a process's first of a
+    kind (its first training loop, its first evaluation).
+    """
+
+    compiles: int | None
+    started: bool
+    recompiles: int
+    process_start: bool  # the process that ended the epoch started in it
+
+
+def process_epochs(records: Sequence[Mapping[str, Any]]) -> list[EpochProcess]:
+    """Each record per process: what it compiled, whether its process started in it, what it recompiled.
+
+    `compilations` is the running count of the process that ended the epoch
+    (`process`, where the record names it; else a record with setup_seconds,
+    or a count below the previous one, starts a process). The training loop
+    may have run in the process before (`train_process`: a stop between the
+    training and the evaluation). A process compiles its training graphs in
+    its first loop and its evaluation graphs in its first evaluation (later
+    with eval_every > 1): an epoch with one of them is not judged.
+    """
+    epochs: list[EpochProcess] = []
+    trained: set[str] = set()  # processes whose training loop an earlier record names
+    evaluated: set[str] = set()  # processes that ended an evaluated epoch before
+    previous: Mapping[str, Any] | None = None
+    segment = 0  # processes so far, for records that do not name theirs
+    for record in records:
+        total, process = record.get("compilations"), record.get("process")
+        before = None if previous is None else previous.get("compilations")
+        if previous is None:
+            new_process = True
+        elif process is not None and previous.get("process") is not None:
+            new_process = process != previous["process"]
+        else:
+            fewer = total is not None and before is not None and total < before
+            new_process = record.get("setup_seconds") is not None or fewer
+        segment += new_process
+        ended_by = process or f"#{segment}"
+        trained_by = record.get("train_process") or ended_by
+        first_loop = trained_by not in trained
+        first_evaluation = record.get("val_accuracy") is not None and ended_by not in evaluated
+        trained.add(trained_by)
+        if record.get("val_accuracy") is not None:
+            evaluated.add(ended_by)
+        if total is None:
+            compiles = None
+        elif new_process or before is None:
+            compiles = total
+        else:
+            compiles = total - before
+        first_graphs = new_process or (first_loop and trained_by == ended_by) or first_evaluation
+        recompiles = compiles if compiles and compiles > 0 and not first_graphs else 0
+        epochs.append(EpochProcess(compiles, first_loop, recompiles, new_process))
+        previous = record
+    return epochs
+
+
 def measured(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The epochs that show steady state: all but epoch 0 when there are others."""
+    """The epochs that show steady state: all but those a process started in, where others exist.
+
+    That is epoch 0 and, in a resumed run, the first epoch each process trained
+    or ended; with nothing else left, all but epoch 0 (or epoch 0 alone).
+    """
+    epochs = process_epochs(records)
+    steady = [r for r, e in zip(records, epochs, strict=True) if not (e.started or e.process_start)]
+    if steady:
+        return steady
     return list(records[1:]) if len(records) > 1 else list(records)
 
 
@@ -153,18 +229,26 @@ def advise(
                 num_workers, share, host, shards_per_replica, max_workers, gpu_could_decode
             )
         findings.append(finding)
-    first = records[0].get("compilations")
-    later = [r for r in records[1:] if r.get("compilations") is not None and first is not None]
-    if later and later[-1]["compilations"] > first:
-        epochs = sorted({r["epoch"] for r in later if r["compilations"] > first})
-        findings.append(
-            f"compile-bound: {later[-1]['compilations'] - first} graph(s) compiled after epoch 0 "
-            f"(by epoch {epochs[0]}); a shape or a constant changed: debug.metrics=true names the step"
-        )
+    compiled = compile_finding(records)
+    if compiled is not None:
+        findings.append(compiled)
     saved = saving_finding(steady, saving or SavingSettings())
     if saved is not None:
         findings.append(saved)
     return findings
+
+
+def compile_finding(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """Graphs a process compiled again after its first ones (process_epochs); None when none was."""
+    epochs = process_epochs(records)
+    again = [(r["epoch"], e.recompiles) for r, e in zip(records, epochs, strict=True) if e.recompiles]
+    if not again:
+        return None
+    after = "epoch 0" if sum(e.process_start for e in epochs) == 1 else "its process's first epoch"
+    return (
+        f"compile-bound: {sum(count for _, count in again)} graph(s) compiled after {after} "
+        f"(by epoch {again[0][0]}); a shape or a constant changed: debug.metrics=true names the step"
+    )
 
 
 def saving_finding(steady: Sequence[Mapping[str, Any]], settings: SavingSettings) -> str | None:

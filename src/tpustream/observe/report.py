@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpustream import storage
-from tpustream.observe.advice import SavingSettings, advise, advise_runs, mean_of, measured
+from tpustream.observe.advice import SavingSettings, advise, advise_runs, mean_of, measured, process_epochs
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
 from tpustream.observe.synthetic import describe_synthetic, is_synthetic, synthetic_twin_rate
@@ -54,22 +54,19 @@ def has_average(runs: Sequence[Run]) -> bool:
 def compiles_per_epoch(records: Sequence[Mapping[str, Any]]) -> list[int | None]:
     """Graphs compiled in each epoch, from `compilations`: each process's running total since it started.
 
-    A resumed run's process counts from 0 again. Its first epoch carries
-    setup_seconds (where train.py gave its start time); without one, a total
-    below the last epoch's marks it too. That first epoch's compiles are the
-    process's whole total.
+    A resumed run's process counts from 0 again; its first epoch's compiles
+    are the process's whole total (observe.advice.process_epochs tells the
+    processes apart).
     """
-    compiles: list[int | None] = []
-    previous: int | None = None
-    for record in records:
-        total = record.get("compilations")
-        new_process = record.get("setup_seconds") is not None
-        if total is None or previous is None or new_process or total < previous:
-            compiles.append(total)
-        else:
-            compiles.append(total - previous)
-        previous = total
-    return compiles
+    return [epoch.compiles for epoch in process_epochs(records)]
+
+
+# The note after a row a resumed process trained or ended first, and what it means under the table.
+RESUMED = "resumed"
+RESUMED_NOTE = (
+    f"{RESUMED}: the first epoch a resumed process trained or ended; its samples/s and compiles "
+    "include that process's start (its graphs compiled, its loaders started): the advice leaves it out"
+)
 
 
 def of_synthetic(rate: float | None, synthetic_rate: float | None) -> str:
@@ -88,7 +85,11 @@ def epoch_table(run: Run, synthetic_rate: float | None = None) -> str:
     columns += [("samples/s", 10), *([("of synth.", 9)] if synthetic_rate else [])]
     columns += [("input-bound", 11), ("host wait", 9), ("MFU", 6)]
     lines = [" ".join(f"{name:>{width}}" for name, width in columns) + " compiles"]
-    for r, compiles in zip(run.records, compiles_per_epoch(run.records), strict=True):
+    epochs = process_epochs(run.records)
+    # Epoch 0 always starts a process (the run's); a later epoch that did was resumed in (advice.measured).
+    resumed = [index > 0 and (e.started or e.process_start) for index, e in enumerate(epochs)]
+    for r, epoch, note in zip(run.records, epochs, resumed, strict=True):
+        compiles = epoch.compiles
         loss = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-"
         ema = f" {percent(r.get('ema_val_accuracy')):>7}" if average else ""
         share = f" {of_synthetic(r.get('global_rate'), synthetic_rate):>9}" if synthetic_rate else ""
@@ -97,7 +98,10 @@ def epoch_table(run: Run, synthetic_rate: float | None = None) -> str:
             f"{loss:>8} {r.get('global_rate', 0):>10.1f}{share} {percent(r.get('input_bound_fraction')):>11} "
             f"{percent(r.get('input_wait_fraction')):>9} "
             f"{percent(r.get('mfu')):>6} {'-' if compiles is None else compiles:>8}"
+            + (f" {RESUMED}" if note else "")
         )
+    if any(resumed):
+        lines.append(RESUMED_NOTE)
     select_best = select_best_of(run.config)
     best = best_record(run.records, select_best)
     if best is not None:

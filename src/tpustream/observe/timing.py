@@ -23,7 +23,9 @@ making (the workers' reading and decoding) and for the delivery after it
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +41,21 @@ class StepGaps(Protocol):
 
     def settle(self) -> tuple[float | None, float] | None:
         """(seconds the device idled between steps, the part the input caused); None: not measured."""
+
+
+# Drawn once when this module is imported: a process's own with the start method "spawn", and
+# a new one in every train.py (a fork's child has the parent's, and its own pid).
+_PROCESS_NONCE = uuid.uuid4().hex[:8]
+
+
+def process_token() -> str:
+    """This process, as an epoch record names it: XLA's compilation count and timers are per process.
+
+    Each process of a resumed run has its own (a restart reuses no token even
+    where its pid repeats, as pid 1 in a container does); replicas that are
+    threads of one process (TPU v2/v3) share it, and their compilations too.
+    """
+    return f"{os.getpid()}-{_PROCESS_NONCE}"
 
 
 # A batch's field: time.monotonic() when its last piece left a data pipeline (one clock for
@@ -176,8 +193,13 @@ class Breakdown:
         return min(1.0, seconds / self.train_seconds) if self.train_seconds > 0 else 0.0
 
 
-def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float]:
-    """metrics.jsonl's time fields: means over replicas, and the worst replica's input-wait share."""
+def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float | str]:
+    """metrics.jsonl's time fields: means over replicas, and the worst replica's input-wait share.
+
+    Also train_process: the process that ran this loop (process_token), so a
+    reader tells a process's first loop (its graphs compiled, its rate with
+    them) from later ones, even where another process records the epoch.
+    """
     count = len(replicas)
 
     def mean(values) -> float:
@@ -195,6 +217,7 @@ def reduce_breakdowns(replicas: list[Breakdown]) -> dict[str, float]:
         # waits for at the save's barrier: the parts of the stall, not a mean that dilutes them.
         "checkpoint_copy_seconds": max(r.checkpoint_copy_seconds for r in replicas),
         "checkpoint_writer_wait_seconds": max(r.checkpoint_writer_wait_seconds for r in replicas),
+        "train_process": process_token(),
     }
     # The device's shares only where every replica measured them: a mean of some would be invented.
     bound = [r.input_bound_fraction for r in replicas]

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +21,10 @@ import torch
 from tpustream import checkpoint, observe
 from tpustream.config import Decode, Device, TrainConfig, TrainCrop
 from tpustream.errors import StorageError
-from tpustream.observe.advice import SavingSettings, advise, usable_cpus
+from tpustream.observe.advice import SavingSettings, advise, process_epochs, usable_cpus
 from tpustream.observe.chips import chip_from_accelerator_type, mfu
 from tpustream.observe.flops import TRAINING_FACTOR
+from tpustream.observe.timing import process_token
 from tpustream.runtime import Runtime
 
 # The package's name, not this module's: log lines read "tpustream.training" as
@@ -119,6 +120,14 @@ class EpochRecord:
     mfu: float | None = None
     # data.synthetic: trained on one device-resident batch, not data (no accuracy, no checkpoints).
     synthetic: bool | None = None
+    # The process that ended the epoch (read `compilations`, evaluated), and the one whose loop
+    # trained it (observe.timing.process_token): each process of a resumed run counts its
+    # compilations from 0 and compiles its graphs once, which a reader must not take for
+    # recompiling (observe.advice.process_epochs). They differ where a stop came between the
+    # training and the evaluation. Drawn where the record is made; lines before 2026-11-28
+    # have neither.
+    process: str | None = field(default_factory=process_token)
+    train_process: str | None = None
 
     @property
     def evaluated(self) -> bool:
@@ -135,6 +144,8 @@ class EpochRecord:
         names = {f.name for f in dataclasses.fields(cls)}
         if "checkpoint_seconds" in data:  # written before the stall and the writing were apart
             data = {"checkpoint_stall_seconds": data["checkpoint_seconds"], **data}
+        # A line read back names the process that wrote it, or none: never the reader's.
+        data = {"process": None, **data}
         try:
             return cls(**{k: v for k, v in data.items() if k in names})
         except TypeError as exc:  # a required field is missing
@@ -380,7 +391,11 @@ class EpochReporter:
         if not self.runtime.is_master:
             return
         self._write_run_file(checkpoint.write_metrics, history)
-        if len(history) == 2 or history[-1]["epoch"] == self.cfg.epochs - 1:
+        steady = [not (epoch.started or epoch.process_start) for epoch in process_epochs(history)]
+        # After the first epoch no process started in (epoch 1 of a run never stopped): a
+        # resumed process's first epochs carry its start, and the epochs before it were advised on.
+        first_measured = steady[-1] and sum(steady) == 1
+        if first_measured or history[-1]["epoch"] == self.cfg.epochs - 1:
             data, device = self.cfg.data, self.cfg.accelerator.device
             # A GPU run whose workers decode JPEG crops could leave the decoding to the GPU.
             gpu_could_decode = device == Device.CUDA and data.train_crop == TrainCrop.random_resized
