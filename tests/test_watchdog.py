@@ -5,14 +5,20 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import re
+import signal
+import subprocess
 import threading
 import time
 
 import pytest
 import torch.nn as nn
 
+from tests import user_stages, zygote
+from tests.conftest import REPO, popen_train, train_command
 from tests.fake_runtime import tiny_config, tiny_model
 from tpustream import preemption, watchdog
+from tpustream.checkpoint import read_metrics
 from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 from tpustream.progress import Heartbeat
 from tpustream.watchdog import AUTO_FLOOR_SECONDS, AUTO_STEP_MULTIPLE, Limits, Watchdog, allowances
@@ -27,6 +33,8 @@ from tpustream.watchdog.stacks import (
     worker_where,
 )
 
+# digits' training split (tpustream-make-shards digits).
+DIGITS_TRAIN_SAMPLES = 1438
 AUTO = Limits(steady=None, first_step=3600, stop_grace=20, enabled=True)
 
 
@@ -287,3 +295,168 @@ def test_a_first_step_slower_than_the_allowance_is_a_compile_a_later_one_a_hang(
     assert bool(fired) == fires
     if fires:
         assert fired[0].exit_code == HUNG_EXIT_CODE and fired[0].finished == "training step 9 of epoch 0"
+
+
+# -- runs that hang -----------------------------------------------------------------------
+
+
+def blocking_run(digits_root: str, tmp_path, *overrides: str, after: int = 150) -> tuple[list[str], dict]:
+    """A train.py command on digits whose stage blocks once, after `after` samples, and its environment.
+
+    The stage runs on each of the 4 canonical streams (about 360 samples each): 150 blocks one
+    about 40% into the epoch, after saves (every 2 steps).
+    """
+    command = train_command(
+        f"data.root={digits_root}",
+        f"output_dir={tmp_path}/run",
+        f"hydra.run.dir={tmp_path}/h",
+        "epochs=1",
+        "log_steps=1",
+        "checkpoint.every_n_steps=2",
+        "data.stages=[tests.user_stages:block_once]",
+        *overrides,
+    )
+    marker = str(tmp_path / "blocked")
+    return command, {**os.environ, user_stages.BLOCK_MARKER: marker, user_stages.BLOCK_AFTER: str(after)}
+
+
+def stacks_files(run: str) -> dict[str, str]:
+    from tpustream import storage
+
+    folder = storage.join(run, "watchdog")
+    return {
+        name: storage.read_bytes(storage.join(folder, name)).decode() for name in storage.list_names(folder)
+    }
+
+
+def run_to_the_end(command: list[str], env: dict, run: str) -> None:
+    """The same command again resumes from the last save and finishes the epoch, every sample once.
+
+    With the watchdog's defaults: the rerun's subject is the resume, and a 3 s allowance would
+    call a busy CI machine's pause a hang.
+    """
+    from tpustream.checkpoint import checkpoint_url, load_checkpoint
+
+    assert load_checkpoint(checkpoint_url(run, "last.pt"))["global_step"] > 0  # a resume, not a start
+    again = [argument for argument in command if not argument.startswith("watchdog.")]
+    done = zygote.run(again, cwd=REPO, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = read_metrics(run)
+    assert record["epoch"] == 0 and record["train_samples"] == DIGITS_TRAIN_SAMPLES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [("data.num_workers=0",), ("data.num_workers=2", "accelerator=cpu_eager")],
+    ids=["xla-without-workers", "eager-with-2-workers"],
+)
+def test_a_stage_that_blocks_forever_ends_the_run_with_76_and_every_threads_stack(
+    digits_root, tmp_path, overrides
+):
+    command, env = blocking_run(digits_root, tmp_path, *overrides, "watchdog.seconds=3")
+    hung = zygote.run(command, cwd=REPO, env=env, timeout=300)
+    assert hung.returncode == HUNG_EXIT_CODE, hung.stderr[-3000:]
+    ((name, text),) = stacks_files(f"{tmp_path}/run").items()
+    assert name.startswith("replica-0-")
+    assert "block_once" in text  # the worker's faulthandler dump, or the loader thread's stack
+    if "data.num_workers=2" in overrides:
+        assert text.count("== DataLoader worker pid") == 4  # training's two and validation's two
+    line = next(line for line in hung.stderr.splitlines() if "ERROR tpustream.watchdog" in line)
+    assert "nothing progressed (allowed 3 s)" in line and "user_stages.py" in line and "block_once" in line
+    assert re.search(r"last finished: training step \d+ of epoch 0", line)
+    run_to_the_end(command, env, f"{tmp_path}/run")
+
+
+@pytest.mark.slow
+def test_one_replica_of_the_simulated_pod_blocked_while_the_other_waits_in_the_all_reduce(
+    digits_root, tmp_path
+):
+    command, env = blocking_run(
+        digits_root,
+        tmp_path,
+        "accelerator=cpu_pod",
+        "accelerator.num_devices=2",
+        "data.num_workers=0",
+        "watchdog.seconds=3",
+        after=300,  # each replica reads two streams in turn: 150 would block before its first step
+    )
+    hung = zygote.run(command, cwd=REPO, env=env, timeout=300)
+    assert hung.returncode == HUNG_EXIT_CODE, hung.stderr[-3000:]
+    files = stacks_files(f"{tmp_path}/run")
+    assert sorted(name.split("-")[1] for name in files) == ["0", "1"]  # one file per replica
+    blocked = [text for text in files.values() if "block_once" in text]
+    waiting = [text for text in files.values() if "block_once" not in text]
+    assert len(blocked) == len(waiting) == 1
+    assert "gloo.py" in waiting[0].split("\n== ", 2)[1]  # its training thread, in a gloo collective
+    run_to_the_end(command, env, f"{tmp_path}/run")
+
+
+@pytest.mark.slow
+def test_a_held_background_upload_ends_the_run_with_76_once_training_waits_for_it(
+    faulty_gcs, digits_root, tmp_path
+):
+    """The proxy holds the second save's last step (the copy to last.pt): training goes on until the
+    third save waits for it, then nothing moves; the stacks show the writer in that copy."""
+    proxy = faulty_gcs
+    run = "gs://faulty/run"
+    command = train_command(
+        f"data.root={digits_root}",
+        f"output_dir={run}",
+        f"hydra.run.dir={tmp_path}/h",
+        "epochs=1",
+        "checkpoint.every_n_steps=4",
+        "data.num_workers=0",
+        "accelerator=cpu_eager",  # the upload is this test's subject, not XLA
+        "accelerator.in_process=true",  # train.py is the replica: the watchdog's exit is its own
+        "watchdog.seconds=3",
+    )
+    proxy.hold, proxy.hold_skip = b"copyTo/b/faulty/o/run%2Fcheckpoints%2Flast.pt?", 1
+    hung = zygote.run(command, cwd=REPO, env=dict(os.environ), timeout=300)
+    assert hung.returncode == HUNG_EXIT_CODE, hung.stderr[-3000:]
+    ((name, text),) = stacks_files(run).items()  # written to the bucket past the held request
+    writer = next(
+        section for section in text.split("\n== ") if section.startswith("thread checkpoint-writer")
+    )
+    assert "write_bytes_verified" in writer and "copy_blob" in writer
+    training = text.split("\n== ")[1]
+    assert training.startswith("training thread") and "wait_until_finished" in training
+    proxy.drop_held = True  # the held copy dies with its client, never reaching the server
+    proxy.release.set()
+    proxy.hold = None
+    run_to_the_end(command, dict(os.environ), run)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_run_blocked_in_its_input_exits_75_within_the_grace(digits_root, tmp_path):
+    """A preempted VM's SIGTERM while a DataLoader worker is stuck: the step cannot finish, so
+    after watchdog.stop_grace_seconds the replica writes its stacks and exits 75, last.pt as its
+    last save left it."""
+    from tpustream.checkpoint import checkpoint_url, load_checkpoint
+
+    command, env = blocking_run(digits_root, tmp_path, "data.num_workers=2", "watchdog.stop_grace_seconds=3")
+    process = popen_train(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(env[user_stages.BLOCK_MARKER]):
+            assert process.poll() is None and time.monotonic() < deadline, "the stage never blocked"
+            time.sleep(0.2)
+        time.sleep(1)  # the pieces already made are consumed; the loop now waits for the stuck worker
+        os.killpg(process.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        code = process.wait(timeout=120)
+        seconds = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = process.stdout.read()
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert seconds < 25, seconds  # the grace and the stacks, well inside a preempted VM's 30 s
+    assert "the step did not finish after the stop request" in output
+    ((name, text),) = stacks_files(f"{tmp_path}/run").items()
+    assert "block_once" in text
+    # last.pt is whole (load_checkpoint verifies it): the last save that finished.
+    assert load_checkpoint(checkpoint_url(f"{tmp_path}/run", "last.pt"))["global_step"] > 0
+    run_to_the_end(command, env, f"{tmp_path}/run")

@@ -66,7 +66,7 @@ BLOCK_AFTER = "TPUSTREAM_TEST_BLOCK_AFTER"
 
 
 def block_once(samples: Iterator[dict]) -> Iterator[dict]:
-    """Blocks forever after $TPUSTREAM_TEST_BLOCK_AFTER samples, in the first reader to get there.
+    """Blocks forever after $TPUSTREAM_TEST_BLOCK_AFTER samples of a stream, in the first to get there.
 
     The first to create the file $TPUSTREAM_TEST_BLOCK_MARKER blocks (one
     replica of a simulated pod, one DataLoader worker); the others, and every

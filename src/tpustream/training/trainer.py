@@ -217,9 +217,13 @@ class Trainer(StepHooks):
         self._ran_once.add(what)
         return first
 
-    def _save(self, name: str, copies: tuple[str, ...] = (), then: Callable[[], None] = lambda: None) -> None:
-        if self._first_time("save"):  # its gathers and transfers compile
+    def _expect_first_save(self) -> None:
+        """This process's first save (mid-epoch: its partial sums' reduction too) compiles its graphs."""
+        if self._first_time("save"):
             progress.expect_compile("the first save")
+
+    def _save(self, name: str, copies: tuple[str, ...] = (), then: Callable[[], None] = lambda: None) -> None:
+        self._expect_first_save()
         position = (self.global_step, self.epoch, self.step)
         self.checkpoints.save(name, self.checkpoint_state, copies, position, then)
 
@@ -253,6 +257,7 @@ class Trainer(StepHooks):
                 continue  # the epoch's end saves and checks for stop requests
             stop = itstime(index + 1, check_every) and self._stop_agreed()
             if stop or itstime(self.global_step, save_every):
+                self._expect_first_save()
                 # A snapshot: the accumulators keep running either way.
                 self.partial = sums.reduced_partial(self.train_loader.filled, f"partial-{self.global_step}")
                 self.epoch, self.step = epoch, step + 1
