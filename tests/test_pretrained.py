@@ -284,3 +284,139 @@ def test_torchvision_weights_that_cannot_be_downloaded_are_one_line(
         "ResNet18_Weights.IMAGENET1K_V1 (https://download.pytorch.org/models/resnet18-f37072fd.pth): URLError"
     )
     assert "TORCH_HOME/hub/checkpoints" in message and "model.pretrained=PATH" in message
+
+
+def test_squeezenets_own_weights_fine_tune_with_their_convolution_head_left_fresh(
+    compose_config, digits_root, tmp_path, monkeypatch, caplog
+):
+    """SqueezeNet's head is a 1x1 convolution (classifier.1), which no rule for a Linear finds."""
+    import torchvision
+    from torchvision.models import SqueezeNet1_1_Weights
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    torch.manual_seed(4)
+    state = torchvision.models.squeezenet1_1(num_classes=1000).state_dict()
+    checkpoints = tmp_path / "torch" / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    torch.save(state, checkpoints / os.path.basename(SqueezeNet1_1_Weights.IMAGENET1K_V1.url))
+    overrides = ("resume=null", "model=torchvision", "model.name=squeezenet1_1", "model.pretrained=true")
+    with caplog.at_level(logging.INFO, logger="tpustream.models.pretrained"):
+        local, replaced = prepare(compose_config(f"data.root={digits_root}", *overrides)).pretrained
+    assert replaced == ["classifier.1.bias", "classifier.1.weight"]
+    assert "the head (classifier.1.bias, classifier.1.weight) holds another number of classes" in caplog.text
+    model = create_model("squeezenet1_1", num_classes=10, image_size=32, channels=3, library="torchvision")
+    fresh_head = model.classifier[1].weight.clone()
+    load_pretrained(model, local, replaced)
+    assert torch.equal(model.features[12].expand3x3.weight, state["features.12.expand3x3.weight"])
+    assert model.classifier[1].weight.shape == (10, 512, 1, 1)
+    assert torch.equal(model.classifier[1].weight, fresh_head)
+    os.remove(local)
+
+
+def library_weights_for(library: str, name: str, options: dict, num_classes: int) -> dict[str, torch.Tensor]:
+    """The state dict of `name` for num_classes, built by its library itself (no tpustream code)."""
+    if library == "timm":
+        import timm
+
+        return timm.create_model(name, num_classes=num_classes, **options).state_dict()
+    import torchvision
+
+    return torchvision.models.get_model(name, num_classes=num_classes, **options).state_dict()
+
+
+@pytest.mark.parametrize(
+    ("library", "name", "options", "head"),
+    [
+        ("torchvision", "squeezenet1_1", {}, ["classifier.1.bias", "classifier.1.weight"]),
+        ("torchvision", "mobilenet_v3_small", {}, ["classifier.3.bias", "classifier.3.weight"]),
+        ("timm", "test_convnext", {}, ["head.fc.bias", "head.fc.weight"]),
+        (
+            "timm",
+            "deit_tiny_distilled_patch16_224",
+            {"depth": 1, "img_size": 32, "patch_size": 8},
+            ["head.bias", "head.weight", "head_dist.bias", "head_dist.weight"],
+        ),
+    ],
+)
+def test_a_file_of_another_class_count_leaves_fresh_every_tensor_the_class_count_shapes(
+    compose_config, digits_root, tmp_path, library, name, options, head, caplog
+):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    state = library_weights_for(library, name, options, num_classes=1000)
+    path = str(tmp_path / f"{name}.safetensors")
+    save_file(state, path)
+    overrides = [f"model={library}", f"model.name={name}", f"model.pretrained={path}"]
+    overrides += [f"+model.options.{key}={value}" for key, value in options.items()]
+    with caplog.at_level(logging.INFO, logger="tpustream.models.pretrained"):
+        local, replaced = prepare(
+            compose_config(f"data.root={digits_root}", "resume=null", *overrides)
+        ).pretrained
+    assert replaced == head
+    assert f"the head ({', '.join(head)}) holds another number of classes" in caplog.text
+    model = create_model(name, num_classes=10, image_size=32, channels=3, library=library, **options)
+    fresh = {key: tensor.clone() for key, tensor in model.state_dict().items() if key in head}
+    load_pretrained(model, local, replaced)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[key], tensor) for key, tensor in fresh.items())
+    assert all(torch.equal(loaded[key], state[key]) for key in loaded if key not in head)
+    os.remove(local)
+
+
+@pytest.mark.parametrize(
+    ("library", "name", "options", "head"),
+    [
+        ("torchvision", "squeezenet1_1", {}, ["classifier.1.bias", "classifier.1.weight"]),
+        (
+            "torchvision",
+            "googlenet",
+            {"aux_logits": True},
+            ["aux1.fc2.bias", "aux1.fc2.weight", "aux2.fc2.bias", "aux2.fc2.weight", "fc.bias", "fc.weight"],
+        ),
+        (
+            "timm",
+            "inception_v3",
+            {"aux_logits": True},
+            ["AuxLogits.fc.bias", "AuxLogits.fc.weight", "fc.bias", "fc.weight"],
+        ),
+    ],
+)
+def test_the_head_is_every_tensor_whose_shape_follows_the_class_count(library, name, options, head):
+    from tpustream.models.pretrained import classifier_names
+
+    with torch.device("meta"):
+        model = create_model(name, num_classes=10, image_size=299, channels=3, library=library, **options)
+    assert sorted(classifier_names(model)) == head
+
+
+def test_a_model_not_built_by_create_model_has_its_head_named_by_rule():
+    """Without its build arguments the model cannot be built for other class counts: timm's
+    pretrained_cfg names the head, else the last Linear."""
+    import timm
+
+    from tpustream.models.pretrained import classifier_names
+
+    with torch.device("meta"):
+        convnext = timm.create_model("test_convnext", num_classes=10)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+    assert classifier_names(convnext) == {"head.fc.bias", "head.fc.weight"}
+    assert classifier_names(plain) == {"2.bias", "2.weight"}
+
+
+def test_weights_of_another_architecture_are_refused_naming_a_tensor_outside_the_head(
+    compose_config, digits_root, tmp_path
+):
+    """SqueezeNet 1.0's weights for 1.1: the head of another class count is not what tells them apart."""
+    torch.manual_seed(6)
+    path = str(tmp_path / "squeezenet1_0.pt")
+    torch.save(library_weights_for("torchvision", "squeezenet1_0", {}, num_classes=1000), path)
+    overrides = ("resume=null", "model=torchvision", "model.name=squeezenet1_1", f"model.pretrained={path}")
+    with pytest.raises(ConfigError) as caught:
+        prepare(compose_config(f"data.root={digits_root}", *overrides))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"model.pretrained={path} holds weights of another architecture: 10 differ in shape "
+        "(first features.0.bias: (96,) in the file, (64,) here)"
+    )

@@ -6,10 +6,11 @@ a tpustream checkpoint; a local path, gs:// or http(s)://) or, with ``true``,
 the library's own weights for model.name (timm's from the Hugging Face hub,
 torchvision's weights enum), loaded by the library itself so that its
 adaptations apply. Either way they are read once per host, before any replica
-starts, checked against the configured model there (the classifier head may
-differ in shape: it is left freshly initialised, and the log says which
-tensors; any other difference is an error naming them), then written to a
-local file that every replica of the host loads: replicas never download.
+starts, checked against the configured model there (the classifier head, every
+tensor whose shape follows the class count, may differ in shape: it is left
+freshly initialised, and the log says which tensors; any other difference is
+an error naming them), then written to a local file that every replica of
+the host loads: replicas never download.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn as nn
 
 from tpustream import storage
 from tpustream.errors import ConfigError, StorageError
+from tpustream.models.registry import rebuild_model
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,35 @@ def _strip(key: str) -> str:
 
 
 def classifier_names(model: nn.Module) -> set[str]:
+    """The state-dict keys of the model's head: the tensors whose shapes follow its class count.
+
+    The model is built again on the meta device for 1 and 2 classes
+    (registry.rebuild_model) and the tensors whose shapes differ are the
+    head, whatever its kind: a Linear, a Sequential ending in one,
+    SqueezeNet's 1x1 convolution, a ViT's head and distillation head,
+    Inception's auxiliary classifiers. Naming it by rule (timm's
+    pretrained_cfg, else the last Linear) missed the convolution and the
+    auxiliary heads, and called their weights of another class count another
+    architecture; the rule is left for a model that cannot be built again.
+    """
+    try:
+        with torch.device("meta"):
+            one, two = (rebuild_model(model, num_classes=count) for count in (1, 2))
+    except Exception as exc:  # a constructor that refuses 1 or 2 classes: the rule decides
+        log.info(
+            "model.pretrained: the head of %s is named by rule: it cannot be built for 1 and 2 classes (%s)",
+            type(model).__name__,
+            describe_exception(exc),
+        )
+        one = two = None
+    if one is None or two is None:  # not built by create_model: nothing to build it again from
+        return classifier_names_by_rule(model)
+    one_shapes = {key: tuple(t.shape) for key, t in one.state_dict().items()}
+    two_shapes = {key: tuple(t.shape) for key, t in two.state_dict().items()}
+    return {key for key in model.state_dict() if one_shapes.get(key) != two_shapes.get(key)}
+
+
+def classifier_names_by_rule(model: nn.Module) -> set[str]:
     """The state-dict keys of the model's head: timm's pretrained_cfg names it, else the last Linear."""
     prefixes = getattr(model, "pretrained_cfg", None) or {}
     prefixes = prefixes.get("classifier") if isinstance(prefixes, Mapping) else None
