@@ -420,3 +420,25 @@ def test_weights_of_another_architecture_are_refused_naming_a_tensor_outside_the
         f"model.pretrained={path} holds weights of another architecture: 10 differ in shape "
         "(first features.0.bias: (96,) in the file, (64,) here)"
     )
+
+
+def test_weights_without_a_head_leave_the_whole_head_fresh(compose_config, digits_root, tmp_path, caplog):
+    """A backbone's weights (timm's num_classes=0 has no fc): every replica loads them, the head fresh."""
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(7)
+    state = timm.create_model("resnet18", num_classes=0).state_dict()
+    path = str(tmp_path / "resnet18-backbone.safetensors")
+    save_file(state, path)
+    overrides = ("resume=null", "model=timm", "model.name=resnet18", f"model.pretrained={path}")
+    with caplog.at_level(logging.INFO, logger="tpustream.models.pretrained"):
+        local, replaced = prepare(compose_config(f"data.root={digits_root}", *overrides)).pretrained
+    assert replaced == ["fc.bias", "fc.weight"]
+    assert "the head (fc.bias, fc.weight) is not in the weights and starts freshly initialised" in caplog.text
+    model = create_model("resnet18", num_classes=10, image_size=32, channels=3, library="timm")
+    fresh_head = model.fc.weight.clone()
+    load_pretrained(model, local, replaced)
+    assert torch.equal(model.layer4[1].conv2.weight, state["layer4.1.conv2.weight"])
+    assert torch.equal(model.fc.weight, fresh_head)
+    os.remove(local)

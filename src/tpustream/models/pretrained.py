@@ -127,7 +127,9 @@ def match_pretrained(model: nn.Module, state: Mapping[str, torch.Tensor], source
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     given = {name: tuple(t.shape) for name, t in state.items()}
     head = classifier_names(model)
-    replaced = sorted(n for n in head if n in given and given[n] != wanted[n])
+    # A head absent from the file (a backbone's weights: timm's num_classes=0) is
+    # left fresh too; load_pretrained takes exactly these as its missing keys.
+    replaced = sorted(n for n in head if given.get(n) != wanted[n])
     missing = sorted(set(wanted) - set(given) - head)
     unexpected = sorted(set(given) - set(wanted))
     differ = sorted(n for n in set(wanted) & set(given) if given[n] != wanted[n] and n not in head)
@@ -165,12 +167,12 @@ def write_host_copy(
     with os.fdopen(handle, "wb") as out:
         torch.save(kept, out)
     if replaced:
+        resized = [name for name in replaced if name in state]
+        absent = [name for name in replaced if name not in state]
+        heads = [f"the head ({', '.join(resized)}) holds another number of classes"] if resized else []
+        heads += [f"the head ({', '.join(absent)}) is not in the weights"] if absent else []
         log.info(
-            "%s: %d tensors loaded; the head (%s) holds another number of classes and "
-            "starts freshly initialised",
-            source,
-            len(kept),
-            ", ".join(replaced),
+            "%s: %d tensors loaded; %s and starts freshly initialised", source, len(kept), " and ".join(heads)
         )
     else:
         log.info("%s: %d tensors loaded", source, len(kept))
