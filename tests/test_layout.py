@@ -15,6 +15,7 @@ LONG_MODULES = {
     "tpustream.data.resolve.recorded": "other tools' count files side by side, each citing its upstream code",
     "tpustream.config.schema": "the run's sections, each field beside its comment: one schema",
     "tpustream.training.trainer": "the training loop and its strategy hooks, read top to bottom",
+    "tpustream.observe.advice": "every rule of the advice beside the figures it reads",
 }
 MAX_LINES = 400
 LONG_LIMIT = 480

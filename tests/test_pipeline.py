@@ -782,3 +782,23 @@ def test_the_loader_tells_waits_for_slow_workers_from_waits_for_a_slow_delivery(
     pass_waits(late, 0)  # its first waits may include the workers' start-up: making
     assert pass_waits(late, 1) < 0.3
     late.close()
+
+
+def test_closing_a_loader_ends_a_worker_stuck_in_a_stage(uneven_split, tmp_path, monkeypatch):
+    """The workers ignore SIGTERM (their replica decides when to stop), so one that cannot see the
+    request to leave (a stage blocked in a read) is killed: its process would never be joined."""
+    from tests import user_stages
+
+    monkeypatch.setenv(user_stages.BLOCK_MARKER, str(tmp_path / "blocked"))
+    monkeypatch.setenv(user_stages.BLOCK_AFTER, "3")
+    loader = make_loader(
+        stream(uneven_split, train=False, workers=2, stages=["tests.user_stages:block_once"]), 2
+    )
+    loader.start_workers()
+    workers = list(loader.loader._iterator._workers)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "blocked").exists():
+        assert time.monotonic() < deadline, "no worker reached the stage"
+        time.sleep(0.1)
+    loader.close()
+    assert not any(worker.is_alive() for worker in workers)

@@ -85,9 +85,13 @@ def test_the_first_steps_after_a_compile_end_it_and_their_intervals_are_not_step
     assert len(heartbeat.step_intervals) == 1 and heartbeat.last_finished() == "training step 1 of epoch 1"
 
 
-def test_a_stop_request_adds_its_grace_and_zero_seconds_turns_only_the_hang_watch_off():
+def test_a_stop_request_adds_its_grace_but_not_to_a_compile_and_zero_turns_only_the_hang_watch_off():
     (grace, hang) = sorted(allowances(AUTO, steady_heartbeat(), stopped=True), key=lambda a: a.exit_code)
     assert (grace.seconds, grace.exit_code) == (20, PREEMPTED_EXIT_CODE) and hang.exit_code == HUNG_EXIT_CODE
+    compiling = Heartbeat()  # a stop during a compile waits for it: its progress cannot be seen
+    assert [a.exit_code for a in allowances(AUTO, compiling, stopped=True)] == [HUNG_EXIT_CODE]
+    compiling.input_wait_started()
+    assert PREEMPTED_EXIT_CODE in [a.exit_code for a in allowances(AUTO, compiling, stopped=True)]
     off = Limits(steady=0.0, first_step=3600, stop_grace=20, enabled=False)
     assert allowances(off, steady_heartbeat(), stopped=False) == []
     assert [a.exit_code for a in allowances(off, steady_heartbeat(), stopped=True)] == [PREEMPTED_EXIT_CODE]
@@ -311,6 +315,7 @@ def blocking_run(digits_root: str, tmp_path, *overrides: str, after: int = 150) 
         f"output_dir={tmp_path}/run",
         f"hydra.run.dir={tmp_path}/h",
         "epochs=1",
+        "eval_every=0",  # the hang is in training; the rerun's subject is its resume
         "log_steps=1",
         "checkpoint.every_n_steps=2",
         "data.stages=[tests.user_stages:block_once]",
@@ -361,7 +366,7 @@ def test_a_stage_that_blocks_forever_ends_the_run_with_76_and_every_threads_stac
     assert name.startswith("replica-0-")
     assert "block_once" in text  # the worker's faulthandler dump, or the loader thread's stack
     if "data.num_workers=2" in overrides:
-        assert text.count("== DataLoader worker pid") == 4  # training's two and validation's two
+        assert text.count("== DataLoader worker pid") == 2  # training's (eval_every=0: no validation workers)
     line = next(line for line in hung.stderr.splitlines() if "ERROR tpustream.watchdog" in line)
     assert "nothing progressed (allowed 3 s)" in line and "user_stages.py" in line and "block_once" in line
     assert re.search(r"last finished: training step \d+ of epoch 0", line)
@@ -434,7 +439,16 @@ def test_sigterm_to_a_run_blocked_in_its_input_exits_75_within_the_grace(digits_
     last save left it."""
     from tpustream.checkpoint import checkpoint_url, load_checkpoint
 
-    command, env = blocking_run(digits_root, tmp_path, "data.num_workers=2", "watchdog.stop_grace_seconds=3")
+    # 300 of a stream's ~360 samples: late in the epoch, long after the first steps compiled (a
+    # stop during a compile waits for it), with the workers' read-ahead spent before it.
+    command, env = blocking_run(
+        digits_root,
+        tmp_path,
+        "data.num_workers=2",
+        "accelerator=cpu_eager",  # train.py and a replica process of its own, without XLA's compiles
+        "watchdog.stop_grace_seconds=3",
+        after=300,
+    )
     process = popen_train(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -443,7 +457,7 @@ def test_sigterm_to_a_run_blocked_in_its_input_exits_75_within_the_grace(digits_
         while not os.path.exists(env[user_stages.BLOCK_MARKER]):
             assert process.poll() is None and time.monotonic() < deadline, "the stage never blocked"
             time.sleep(0.2)
-        time.sleep(1)  # the pieces already made are consumed; the loop now waits for the stuck worker
+        time.sleep(3)  # the pieces already made are consumed; the loop now waits for the stuck worker
         os.killpg(process.pid, signal.SIGTERM)
         signalled = time.monotonic()
         code = process.wait(timeout=120)

@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tpustream import progress
 from tpustream.config import SPMD_STRATEGIES, Collectives, Device, RuntimeKind, Strategy, TrainConfig
 from tpustream.errors import TpustreamError
 from tpustream.launch.checks import native_processes
@@ -189,9 +190,13 @@ def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable
         log.error("replica %d failed:\n%s", rank, traceback.format_exc())
         raise
     finally:
-        stop_watchdog(watchdog)
-        if child:  # its process ends with this replica (train.py itself freezes on its way out)
+        progress.beat("the replica is closing")
+        if child:
+            # Its process ends with this replica (train.py itself freezes on its way out); the
+            # watchdog watches that end too: a stuck exit (a child that will not be joined) is a hang.
             skip_final_collection()
+        else:
+            stop_watchdog(watchdog)  # train.py goes on (a multirun's next job starts its own)
 
 
 def replica_watchdog(plan: RunPlan, rank: int) -> Watchdog:

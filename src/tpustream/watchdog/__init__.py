@@ -20,10 +20,10 @@ second, against the allowance in force (``allowances``):
   minutes), but not while its training thread waits for a batch: a graph is
   compiled when the step before the wait is cut, so a stuck input is found as
   soon as in any other step;
-- ``watchdog.stop_grace_seconds`` once a stop was requested (SIGTERM): a
-  replica that cannot reach the step boundary where it would save (its input
-  is stuck) must still exit 75 before the host's kill (about 30 s on a
-  preempted TPU VM). last.pt keeps the last save that finished.
+- ``watchdog.stop_grace_seconds`` once a stop was requested (SIGTERM), unless
+  it compiles: a replica that cannot reach the step boundary where it would
+  save (its input is stuck) must still exit 75 before the host's kill (about
+  30 s on a preempted TPU VM). last.pt keeps the last save that finished.
 
 When one is spent (``Watchdog.fire``), the replica writes the Python stacks of
 every thread of its process and of its DataLoader workers (watchdog.stacks) to
@@ -163,12 +163,14 @@ def allowances(limits: Limits, heartbeat: Heartbeat, stopped: bool) -> list[Allo
     progress; the others from the last progress.
     """
     found: list[Allowance] = []
-    if stopped and limits.stop_grace > 0:
+    compiling = heartbeat.compiling is not None and not heartbeat.waiting_for_input
+    # A compile's progress cannot be seen: a stop during one waits for it (or for the host's kill).
+    if stopped and limits.stop_grace > 0 and not compiling:
         why = f"{limits.stop_grace:g} s after a stop request"
         found.append(Allowance(limits.stop_grace, why, PREEMPTED_EXIT_CODE))
     if not limits.enabled:
         return found
-    if heartbeat.compiling is not None and not heartbeat.waiting_for_input:
+    if compiling:
         why = f"{limits.first_step:g} s while compiling {heartbeat.compiling}"
         found.append(Allowance(limits.first_step, why, HUNG_EXIT_CODE))
     elif limits.steady is not None:

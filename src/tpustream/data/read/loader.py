@@ -229,6 +229,14 @@ class CountingLoader:
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+            # A worker stuck where it cannot see the request (a user's stage blocked in a
+            # read) outlives the join's timeout, and the SIGTERM torch then sends it is
+            # ignored by design: it would keep this process from exiting (multiprocessing
+            # joins its daemon children at exit, without a timeout).
+            for worker in getattr(iterator, "_workers", ()):
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(timeout=5)
         self.loader._iterator = None
 
     def _abandon_slots(self) -> None:
