@@ -16,6 +16,8 @@ LONG_MODULES = {
     "tpustream.config.schema": "the run's sections, each field beside its comment: one schema",
     "tpustream.training.trainer": "the training loop and its strategy hooks, read top to bottom",
     "tpustream.observe.advice": "every rule of the advice beside the figures it reads",
+    "tpustream.training.report": "the epoch record and the reporter that fills and writes it",
+    "tpustream.watchdog": "what the watchdog allows, its thread, and its firing, read in that order",
 }
 MAX_LINES = 400
 LONG_LIMIT = 480

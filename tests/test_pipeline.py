@@ -784,21 +784,29 @@ def test_the_loader_tells_waits_for_slow_workers_from_waits_for_a_slow_delivery(
     late.close()
 
 
-def test_closing_a_loader_ends_a_worker_stuck_in_a_stage(uneven_split, tmp_path, monkeypatch):
+def test_closing_a_loader_ends_a_worker_stuck_in_a_stage(uneven_split, tmp_path):
     """The workers ignore SIGTERM (their replica decides when to stop), so one that cannot see the
-    request to leave (a stage blocked in a read) is killed: its process would never be joined."""
-    from tests import user_stages
+    request to leave (a stage blocked in a read) is killed: its process would never be joined.
+    Where they are is asked as a replica's watchdog asks (their faulthandler dumps)."""
+    from tpustream import watchdog
+    from tpustream.watchdog.stacks import dump_workers
 
-    monkeypatch.setenv(user_stages.BLOCK_MARKER, str(tmp_path / "blocked"))
-    monkeypatch.setenv(user_stages.BLOCK_AFTER, "3")
-    loader = make_loader(
-        stream(uneven_split, train=False, workers=2, stages=["tests.user_stages:block_once"]), 2
-    )
-    loader.start_workers()
-    workers = list(loader.loader._iterator._workers)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "blocked").exists():
-        assert time.monotonic() < deadline, "no worker reached the stage"
-        time.sleep(0.1)
-    loader.close()
+    reports = watchdog.Reports(str(tmp_path))
+    limits = watchdog.Limits(steady=1e6, first_step=1e6, stop_grace=0, enabled=True)
+    dog = watchdog.Watchdog(limits, 0, str(tmp_path), reports=reports, on_fire=lambda _: None)
+    watchdog.start_watchdog(dog)
+    try:
+        blocking = stream(uneven_split, train=False, workers=2, stages=["tests.user_stages:block_forever"])
+        loader = make_loader(blocking, 2)  # its workers write their stacks where the watchdog reads them
+        loader.start_workers()
+        workers = list(loader.loader._iterator._workers)
+        deadline = time.monotonic() + 120
+        while True:
+            dumps = [dump for _, dump in dump_workers(dog.worker_dumps_folder())]
+            if len(dumps) == 2 and all("block_forever" in dump for dump in dumps):
+                break
+            assert time.monotonic() < deadline, "the workers never reached the stage"
+        loader.close()
+    finally:
+        watchdog.stop_watchdog(dog)
     assert not any(worker.is_alive() for worker in workers)

@@ -85,3 +85,12 @@ def block_once(samples: Iterator[dict]) -> Iterator[dict]:
             else:
                 threading.Event().wait()  # forever: a stage stuck in a read that never returns
         yield sample
+
+
+def block_forever(samples: Iterator[dict]) -> Iterator[dict]:
+    """Blocks forever at the first sample, in every reader (a stage stuck in a read that never returns)."""
+    import threading
+
+    for _ in samples:
+        threading.Event().wait()
+    yield from ()

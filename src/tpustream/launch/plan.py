@@ -43,7 +43,7 @@ from tpustream.launch.resume_checks import (
     check_schedule_horizon,
     clear_interrupted_writes,
 )
-from tpustream.launch.run_model import meta_model
+from tpustream.launch.run_model import meta_model, model_builder
 from tpustream.launch.synthetic import synthetic_splits
 from tpustream.launch.workers import resolve_auto_workers
 from tpustream.observe.best import best_record, describe_best
@@ -239,10 +239,11 @@ def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str,
     from tpustream.models.pretrained import fetch_library_pretrained, fetch_pretrained, library_weights
 
     model = meta_model(cfg, train)
+    build = model_builder(cfg, train)  # for other class counts: what follows them is the head
     library = ModelLibrary(cfg.model.library).value
     weights = library_weights(library, cfg.model.name, cfg.model.pretrained)
     if weights is None:
-        return fetch_pretrained(model, cfg.model.pretrained)
+        return fetch_pretrained(model, cfg.model.pretrained, build)
     return fetch_library_pretrained(
         model,
         library,
@@ -251,6 +252,7 @@ def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str,
         num_classes=train.num_classes,
         channels=train.channels,
         options=dict(cfg.model.options),
+        build=build,
     )
 
 

@@ -20,14 +20,13 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
 
 from tpustream import storage
 from tpustream.errors import ConfigError, StorageError
-from tpustream.models.registry import rebuild_model
 
 log = logging.getLogger(__name__)
 
@@ -80,29 +79,29 @@ def _strip(key: str) -> str:
     return key
 
 
-def classifier_names(model: nn.Module) -> set[str]:
+def classifier_names(model: nn.Module, build: Callable[..., nn.Module] | None = None) -> set[str]:
     """The state-dict keys of the model's head: the tensors whose shapes follow its class count.
 
-    The model is built again on the meta device for 1 and 2 classes
-    (registry.rebuild_model) and the tensors whose shapes differ are the
-    head, whatever its kind: a Linear, a Sequential ending in one,
-    SqueezeNet's 1x1 convolution, a ViT's head and distillation head,
-    Inception's auxiliary classifiers. Naming it by rule (timm's
-    pretrained_cfg, else the last Linear) missed the convolution and the
-    auxiliary heads, and called their weights of another class count another
-    architecture; the rule is left for a model that cannot be built again.
+    build(num_classes=k) builds the model for k classes (launch.run_model's
+    model_builder); it is built for 1 and 2 on the meta device and the tensors
+    whose shapes differ are the head, whatever its kind: a Linear, a
+    Sequential ending in one, SqueezeNet's 1x1 convolution, a ViT's head and
+    distillation head, Inception's auxiliary classifiers. Naming it by rule
+    (timm's pretrained_cfg, else the last Linear) missed the convolution and
+    the auxiliary heads, and called their weights of another class count
+    another architecture; the rule is left for a model without a builder.
     """
+    if build is None:
+        return classifier_names_by_rule(model)
     try:
         with torch.device("meta"):
-            one, two = (rebuild_model(model, num_classes=count) for count in (1, 2))
+            one, two = (build(num_classes=count) for count in (1, 2))
     except Exception as exc:  # a constructor that refuses 1 or 2 classes: the rule decides
         log.info(
             "model.pretrained: the head of %s is named by rule: it cannot be built for 1 and 2 classes (%s)",
             type(model).__name__,
             describe_exception(exc),
         )
-        one = two = None
-    if one is None or two is None:  # not built by create_model: nothing to build it again from
         return classifier_names_by_rule(model)
     one_shapes = {key: tuple(t.shape) for key, t in one.state_dict().items()}
     two_shapes = {key: tuple(t.shape) for key, t in two.state_dict().items()}
@@ -122,11 +121,19 @@ def classifier_names_by_rule(model: nn.Module) -> set[str]:
     return {key for key in keys for prefix in prefixes if key.startswith(f"{prefix}.")}
 
 
-def match_pretrained(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> list[str]:
-    """The head tensors to leave freshly initialised; ConfigError naming tensors that do not fit otherwise."""
+def match_pretrained(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    source: str,
+    build: Callable[..., nn.Module] | None = None,
+) -> list[str]:
+    """The head tensors to leave freshly initialised; ConfigError naming tensors that do not fit otherwise.
+
+    build: what builds the model for a class count (classifier_names).
+    """
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     given = {name: tuple(t.shape) for name, t in state.items()}
-    head = classifier_names(model)
+    head = classifier_names(model, build)
     # A head absent from the file (a backbone's weights: timm's num_classes=0) is
     # left fresh too; load_pretrained takes exactly these as its missing keys.
     replaced = sorted(n for n in head if given.get(n) != wanted[n])
@@ -151,10 +158,12 @@ def match_pretrained(model: nn.Module, state: Mapping[str, torch.Tensor], source
     return replaced
 
 
-def fetch_pretrained(model_on_meta: nn.Module, url: str) -> tuple[str, list[str]]:
+def fetch_pretrained(
+    model_on_meta: nn.Module, url: str, build: Callable[..., nn.Module] | None = None
+) -> tuple[str, list[str]]:
     """Read and check the file once on this host: (a local copy for the replicas, the heads replaced)."""
     state = read_state_dict(url)
-    replaced = match_pretrained(model_on_meta, state, url)
+    replaced = match_pretrained(model_on_meta, state, url, build)
     return write_host_copy(state, replaced, f"model.pretrained={url}")
 
 
@@ -264,6 +273,7 @@ def fetch_library_pretrained(
     num_classes: int,
     channels: int,
     options: Mapping,
+    build: Callable[..., nn.Module] | None = None,
 ) -> tuple[str, list[str]]:
     """The library's own weights, fetched and adapted by the library once on this host, like fetch_pretrained.
 
@@ -282,7 +292,7 @@ def fetch_library_pretrained(
     asked = "true" if weights == "DEFAULT" else weights
     source = f"model.pretrained={asked} ({type(enum_member).__name__}.{enum_member.name})"
     state = read_torchvision_weights(name, enum_member, options, asked)
-    replaced = match_pretrained(model_on_meta, state, source)
+    replaced = match_pretrained(model_on_meta, state, source, build)
     return write_host_copy(state, replaced, source)
 
 

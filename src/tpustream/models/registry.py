@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import weakref
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -14,9 +13,6 @@ from tpustream.errors import ConfigError
 
 ModelFactory = Callable[..., nn.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
-# The arguments create_model built each live model from, so that a check given
-# only the model can build it again for another class count (rebuild_model).
-_BUILT_FROM: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
@@ -201,20 +197,11 @@ def create_model(
     if library == "timm":
         from tpustream.models.from_timm import create_timm_model
 
-        model = create_timm_model(name, **sizes, **options)
-    elif library == "torchvision":
+        return create_timm_model(name, **sizes, **options)
+    if library == "torchvision":
         from tpustream.models.from_torchvision import create_torchvision_model
 
-        model = create_torchvision_model(name, **sizes, **options)
-    elif name not in _REGISTRY:
+        return create_torchvision_model(name, **sizes, **options)
+    if name not in _REGISTRY:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(model_names())}")
-    else:
-        model = _REGISTRY[name](**sizes, **options)
-    _BUILT_FROM[model] = {"name": name, "library": library, **sizes, **options}
-    return model
-
-
-def rebuild_model(model: nn.Module, **changes) -> nn.Module | None:
-    """`model` built again by create_model with some arguments changed (num_classes=2); None: not built so."""
-    arguments = _BUILT_FROM.get(model)
-    return None if arguments is None else create_model(**{**arguments, **changes})
+    return _REGISTRY[name](**sizes, **options)
