@@ -127,6 +127,7 @@ _worker_sources: list[Callable[[], Callable[[], Iterable[int]] | None]] = []
 
 def watch_workers(pids: Callable[[], Iterable[int]]) -> None:
     """Register a loader's bound method that names its live DataLoader worker pids (held weakly)."""
+    _worker_sources[:] = [source for source in _worker_sources if source() is not None]
     _worker_sources.append(weakref.WeakMethod(pids) if hasattr(pids, "__self__") else (lambda: pids))
 
 
