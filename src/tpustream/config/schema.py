@@ -259,7 +259,7 @@ class WatchdogConfig:
     # Seconds without progress (a training or evaluation step finished, a batch
     # received, checkpoint bytes written) before a replica writes every thread's
     # stacks to <output_dir>/watchdog/ and the run exits 76, which launchers
-    # retry. auto: 20 x the median training step, at least 600; 0 = off.
+    # retry. auto: 20 x the median training step, at least 300; 0 = off.
     seconds: Any = "auto"
     # The allowance instead while the process compiles: until its first steps
     # have finished, and those after its first evaluation, epoch end and save.

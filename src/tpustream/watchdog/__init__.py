@@ -70,9 +70,11 @@ from tpustream.watchdog.stacks import (
 log = logging.getLogger(__name__)
 
 # auto: this many median training steps without progress, and never under the floor
-# (an epoch's end evaluates, gathers and saves; a pod's hosts start unevenly).
+# (an epoch's end evaluates, gathers and saves). The floor stays under the 10 minutes
+# after which a gloo or NCCL collective gives up (launch.spawn's process groups), so a
+# hung collective is reported here, with stacks and a retried exit, for steps under 30 s.
 AUTO_STEP_MULTIPLE = 20
-AUTO_FLOOR_SECONDS = 600.0
+AUTO_FLOOR_SECONDS = 300.0
 # Step intervals auto waits for before it trusts their median.
 AUTO_MIN_STEPS = 5
 # The longest gap between two checks.
