@@ -420,7 +420,7 @@ def test_weights_of_another_architecture_are_refused_naming_a_tensor_outside_the
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(
-        f"model.pretrained={path} holds weights of another architecture: 10 differ in shape "
+        f"model.pretrained={path} holds weights of another architecture: 10 tensor(s) differ in shape "
         "(first features.0.bias: (96,) in the file, (64,) here)"
     )
 

@@ -65,6 +65,7 @@ from tpustream import storage
 from tpustream.config import DataConfig, TrainCrop
 from tpustream.errors import ConfigError, TpustreamError
 from tpustream.models.registry import create_model, describe_exception
+from tpustream.models.shapes import describe_state_difference
 
 EXPORT_FOLDER = "export"
 # What the run's evaluation resized with (crops.decode_crop), in timm's and torchvision's names.
@@ -205,7 +206,8 @@ def rebuild_arguments(model_cfg: dict, weights: dict[str, torch.Tensor], data_cf
     for channels in candidates:
         try:
             num_classes = data_cfg.get("num_classes") or count_classes(shapes_built(1, channels), wanted)
-            difference = describe_shape_difference(wanted, shapes_built(num_classes, channels))
+            built = shapes_built(num_classes, channels)
+            difference = describe_state_difference(built, wanted, "saved", "rebuilt")
         except ConfigError as exc:
             reasons.append(f"on {channels} channel(s): {exc}")
             continue
@@ -235,27 +237,6 @@ def count_classes(one_class: dict[str, tuple[int, ...]], wanted: dict[str, tuple
     if len(counts) > 1:
         raise ConfigError(f"the weights' shapes give several class counts ({sorted(counts)}), not one")
     return counts.pop() if counts else 1
-
-
-def describe_shape_difference(
-    wanted: dict[str, tuple[int, ...]], built: dict[str, tuple[int, ...]]
-) -> str | None:
-    """How the rebuilt model's tensors differ from the weights' (None: same names and shapes)."""
-    missing = sorted(set(built) - set(wanted))
-    unexpected = sorted(set(wanted) - set(built))
-    differ = sorted(key for key in set(wanted) & set(built) if wanted[key] != built[key])
-    parts = []
-    if differ:
-        first = differ[0]
-        parts.append(
-            f"{len(differ)} tensor(s) differ in shape (first {first}: {wanted[first]} saved, "
-            f"{built[first]} rebuilt)"
-        )
-    if missing:
-        parts.append(f"{len(missing)} missing from the weights (first {missing[0]})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} not in the model (first {unexpected[0]})")
-    return "; ".join(parts) or None
 
 
 def chosen_weights(state: dict, url: str, weights: str) -> dict[str, torch.Tensor]:

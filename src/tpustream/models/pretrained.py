@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from tpustream import storage
 from tpustream.errors import ConfigError, StorageError
+from tpustream.models.shapes import describe_state_difference
 
 log = logging.getLogger(__name__)
 
@@ -137,24 +138,9 @@ def match_pretrained(
     # A head absent from the file (a backbone's weights: timm's num_classes=0) is
     # left fresh too; load_pretrained takes exactly these as its missing keys.
     replaced = sorted(n for n in head if given.get(n) != wanted[n])
-    missing = sorted(set(wanted) - set(given) - head)
-    unexpected = sorted(set(given) - set(wanted))
-    differ = sorted(n for n in set(wanted) & set(given) if given[n] != wanted[n] and n not in head)
-    if missing or unexpected or differ:
-        parts = []
-        if differ:
-            first = differ[0]
-            parts.append(
-                f"{len(differ)} differ in shape (first {first}: {given[first]} in the file, "
-                f"{wanted[first]} here)"
-            )
-        if missing:
-            parts.append(f"{len(missing)} missing (first {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} not in the model (first {unexpected[0]})")
-        raise ConfigError(
-            f"model.pretrained={source} holds weights of another architecture: {'; '.join(parts)}"
-        )
+    difference = describe_state_difference(wanted, given, "in the file", "here", ignore=head)
+    if difference is not None:
+        raise ConfigError(f"model.pretrained={source} holds weights of another architecture: {difference}")
     return replaced
 
 
