@@ -326,8 +326,7 @@ def epoch_shares(accelerator: str, output_dir: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accelerator", ["cpu", "cpu_eager"])
-def test_the_input_bound_share_is_what_the_input_cost_the_rate(accelerator, tmp_path):
+def test_the_input_bound_share_is_what_the_input_cost_the_rate(tmp_path):
     """Issue 34: within 5 points of 1 - real/device-only rate, starved or not.
 
     A starved epoch (batches 0.6 s apart, steps of well under 0.1 s) is held
@@ -335,7 +334,16 @@ def test_the_input_bound_share_is_what_the_input_cost_the_rate(accelerator, tmp_
     a delay-free epoch is device-bound, and its own reference: under XLA the
     host still waits for batches there at times (ParallelLoader moves them to
     the device in groups while steps run), which is not input-bound.
+
+    The XLA device only: there the share comes from the device's ready gaps,
+    which can be wrong. Eager on the CPU idles exactly while the host waits
+    (test_eager_on_the_cpu_idles_exactly_while_the_host_waits), and its run
+    here (`python -m tests.idle_epochs cpu_eager DIR`) measures the machine:
+    beside the suite's other worker its delay-free epochs ran 380 to 850
+    samples/s, and one in two starved epochs missed its neighbours' reference
+    by 5 to 10 points, both ways.
     """
+    accelerator = "cpu"
     # Once more on a miss: on 2 shared cores a burst of another test's work can slow one
     # epoch's steps (not its waits) past the 5 points (seen once in about ten full suites:
     # 0.868 against 0.920); a wrong measure misses both times.
