@@ -61,3 +61,29 @@ def test_the_summary_says_how_far_from_synthetic_and_what_was_measured(monkeypat
     # Where the accelerator measures no device idle time, it says so rather than invent one.
     summary = limit.summarise([10.0], [10.0], {"input_bound_fraction": None, "input_wait_fraction": 0.3})
     assert "not measured here" in limit.describe(summary) and summary["implied_input_bound"] == 0.0
+
+
+def test_a_real_run_faster_than_its_twin_is_called_noise():
+    text = limit.describe(limit.summarise([1000.0], [1104.0], {"input_bound_fraction": None}))
+    assert "1.104 (above 1: the real run was faster than its synthetic twin" in text
+    assert "input-bound, implied:            0.0% (noise" in text
+
+
+@pytest.mark.parametrize("override", ["output_dir=/tmp/mine", "epochs=9", "hydra.run.dir=/tmp/x"])
+def test_what_it_sets_per_run_is_refused_rather_than_replaced(override, capsys):
+    with pytest.raises(SystemExit):
+        limit.main(["--dry-run", "--", override])
+    assert f"leave {override.split('=')[0]} out of the overrides" in capsys.readouterr().err
+
+
+def test_missing_shards_or_a_bad_key_stop_it_in_one_line_before_any_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(limit.subprocess, "run", lambda *a, **k: pytest.fail("a run was started"))
+    missing = tmp_path / "digits"
+    with pytest.raises(SystemExit) as stopped:
+        limit.main(["--out", str(tmp_path / "out"), "--", f"data.root={missing}"])
+    message = str(stopped.value)
+    assert "\n" not in message and "cannot list the shards" in message
+    assert f"tpustream-make-shards digits {missing}" in message
+    with pytest.raises(SystemExit) as stopped:
+        limit.main(["--out", str(tmp_path / "out"), "--", "data.num_wrkers=2"])
+    assert "train.py would refuse data.num_wrkers=2" in str(stopped.value)
