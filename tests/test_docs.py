@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -152,3 +153,114 @@ def test_readme_links_into_the_docs_reach_their_page_and_anchor(site):
         if anchor not in parser.ids:
             broken.append(f"{target}#{anchor}: no such anchor")
     assert not broken, "README.md:\n" + "\n".join(broken)
+
+
+# A command as the pages write it, from its program to the end of its line (continuations joined).
+TRAIN_COMMAND = re.compile(r"python3? (train\.py|-m bench\.[\w.]+)([^`\n]*)")
+
+
+def documented_overrides() -> dict[str, list[str]]:
+    """Every `python train.py ...` and `python -m bench.X ... -- ...` the pages write: its Hydra overrides.
+
+    Placeholders stay (gs://BUCKET/... is a string either way); what is not an override
+    (`...`, a comment, a pipe) ends or is left out; a multirun's sweep gives its first value.
+    """
+    found: dict[str, list[str]] = {}
+    for page in markdown_files():
+        text = re.sub(r"\\\n\s*", " ", page.read_text())
+        for match in TRAIN_COMMAND.finditer(text):
+            program, rest = match.groups()
+            rest = re.split(r"\s(?:#|\||&&|;)\s?", rest)[0]
+            if program != "train.py":
+                if " -- " not in f"{rest} ":
+                    continue
+                rest = f"{rest} ".split(" -- ", 1)[1]
+            words = shlex.split(rest)
+            multirun = "-m" in words or "--multirun" in words
+            overrides = []
+            for word in words:
+                key, is_override, value = word.partition("=")
+                if not is_override or key.startswith(("hydra.", "-")):
+                    continue
+                if multirun and "," in value and not value.startswith("["):
+                    value = value.split(",")[0]
+                overrides.append(f"{key}={value}")
+            found[f"{page.relative_to(REPO)}: {match.group(0).strip()}"] = overrides
+    return found
+
+
+def test_every_documented_command_composes_as_train_py_would():
+    """A key renamed or moved (`width` is `model.options.width`) fails here, naming the page and command.
+
+    Composing is what train.py does first; the commands that need a TPU, a GPU, a bucket
+    or minutes are not run, but their keys and options must still exist.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tpustream.config import register_configs
+
+    commands = documented_overrides()
+    assert len(commands) > 30, "the pages' commands were not found"
+    register_configs()
+    refused, composed = {}, {}
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            for where, overrides in [*commands.items(), ("a bad key", ["model.width=8"])]:
+                if tuple(overrides) not in composed:
+                    try:
+                        placeholders = ["output_dir=/unused", "log_dir=null"]
+                        compose(config_name="config", overrides=[*placeholders, *overrides])
+                        composed[tuple(overrides)] = None
+                    except Exception as exc:  # Hydra raises several types; all mean "train.py would refuse"
+                        composed[tuple(overrides)] = str(exc).splitlines()[0]
+                if composed[tuple(overrides)] is not None:
+                    refused[where] = composed[tuple(overrides)]
+    finally:
+        GlobalHydra.instance().clear()
+    assert refused.pop("a bad key", None), "a key that does not exist composed: the check checks nothing"
+    assert not refused, "\n".join(f"{where}\n    {why}" for where, why in refused.items())
+
+
+# The package's commands (pyproject's [project.scripts]) and where their main() is.
+COMMANDS = {
+    "tpustream-make-shards": "tpustream.data.write.command",
+    "tpustream-index": "tpustream.data.resolve.index_command",
+    "tpustream-pod": "tpustream.pod.__main__",
+    "tpustream-export": "tpustream.models.export",
+    "tpustream-report": "tpustream.observe.report",
+}
+POD_SUBCOMMANDS = ("create", "delete", "gke-manifest")
+
+
+def documented_options() -> dict[tuple[str, ...], set[str]]:
+    """(command, subcommand) -> every --option the pages give it (before a `--` that starts a train.py)."""
+    found: dict[tuple[str, ...], set[str]] = {}
+    pattern = re.compile(rf"({'|'.join(COMMANDS)})\b([^`\n|#]*)")
+    for page in markdown_files():
+        text = re.sub(r"\\\n\s*", " ", page.read_text())
+        for match in pattern.finditer(text):
+            words = f"{match.group(2)} ".split(" -- ", 1)[0].split()
+            sub = (words[0],) if words and words[0] in POD_SUBCOMMANDS else ()
+            options = {w.split("=", 1)[0] for w in words if w.startswith("--") and len(w) > 2}
+            found.setdefault((match.group(1), *sub), set()).update(options)
+    return found
+
+
+def test_every_option_the_pages_give_a_command_is_in_its_help(capsys):
+    import contextlib
+    import importlib
+
+    documented = documented_options()
+    assert ("tpustream-pod", "gke-manifest") in documented and ("tpustream-make-shards",) in documented
+    unknown = {}
+    for (program, *sub), options in documented.items():
+        with contextlib.suppress(SystemExit):
+            importlib.import_module(COMMANDS[program]).main([*sub, "--help"])
+        helped = capsys.readouterr().out
+        assert "usage" in helped.lower(), (program, sub)
+        missing = sorted(o for o in options if not re.search(rf"{re.escape(o)}\b", helped))
+        if missing:
+            unknown[" ".join([program, *sub])] = missing
+    assert not unknown, f"options the pages name that the commands do not have: {unknown}"
