@@ -110,15 +110,18 @@ def enable_worker_dumps(folder: str | None) -> None:
     """In a DataLoader worker: DUMP_SIGNAL writes every thread's stack to folder/worker-PID.txt.
 
     faulthandler writes from the signal handler, in C, so a worker stuck in a
-    system call or in C code answers too. The file is made here, so it also
-    says the worker can take the signal (before, it would have killed it).
+    system call or in C code answers too. The file gets its name once the
+    handler is in place, so its name says the worker can take the signal
+    (before, the signal's default action kills it).
     folder None: no watchdog asks, nothing is set up.
     """
     global _worker_dump_file
     if folder is None:
         return
-    _worker_dump_file = open(os.path.join(folder, f"worker-{os.getpid()}.txt"), "w")  # noqa: SIM115
+    path = os.path.join(folder, f"worker-{os.getpid()}.txt")
+    _worker_dump_file = open(f"{path}.starting", "w")  # noqa: SIM115
     faulthandler.register(DUMP_SIGNAL, file=_worker_dump_file, all_threads=True, chain=False)
+    os.replace(f"{path}.starting", path)
 
 
 # Functions that name this process's loaders' live worker pids (loaders' bound methods, held weakly).
