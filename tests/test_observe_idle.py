@@ -343,14 +343,13 @@ def test_the_input_bound_share_is_what_the_input_cost_the_rate(tmp_path):
     samples/s, and one in two starved epochs missed its neighbours' reference
     by 5 to 10 points, both ways.
     """
-    accelerator = "cpu"
     # Once more on a miss: on 2 shared cores a burst of another test's work can slow one
     # epoch's steps (not its waits) past the 5 points (seen once in about ten full suites:
     # 0.868 against 0.920); a wrong measure misses both times.
     try:
-        check_shares(epoch_shares(accelerator, str(tmp_path / "run")))
+        check_shares(epoch_shares("cpu", str(tmp_path / "run")))
     except AssertionError:
-        check_shares(epoch_shares(accelerator, str(tmp_path / "again")))
+        check_shares(epoch_shares("cpu", str(tmp_path / "again")))
 
 
 def check_shares(records: list[dict]) -> None:
