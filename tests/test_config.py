@@ -152,6 +152,20 @@ def test_every_yaml_in_conf_documents_itself():
         OmegaConf.load(path)
 
 
+def test_the_defaults_list_comments_name_every_option_of_their_group():
+    """conf/config.yaml's `- group: default   # group/: a, b, ...` lines list every file of the group."""
+    import re
+
+    listed = {}
+    for line in (REPO / "conf" / "config.yaml").read_text().splitlines():
+        if match := re.match(r"\s*- (\w+): \w+\s+# \1/: (.*)", line):
+            listed[match[1]] = set(re.findall(r"(?:^|[,;] )(\w+)", match[2]))
+    assert set(listed) == {"model", "optim", "data", "accelerator"}
+    for group, named in listed.items():
+        options = {path.stem for path in (REPO / "conf" / group).glob("*.yaml")}
+        assert options <= named, f"conf/config.yaml's {group} comment lacks {sorted(options - named)}"
+
+
 def test_precision_and_strategy_are_typed(compose_config):
     typed, plain = resolve_config(compose_config("precision=bf16", "strategy=fsdp"))
     assert typed.precision == Precision.bf16 and typed.strategy == Strategy.fsdp
