@@ -42,16 +42,9 @@ Computed (no XLA device), from the parameter shapes:
     ddp        every core holds the whole model and the whole optimizer state:
                the sum of numel x element_size of the parameters and of the
                state tensors build_optimizer + prime_optimizer_state create.
-    fsdp       torch_xla's first FSDP (XlaFullyShardedDataParallel with
-               flatten_parameters=False, as training/fsdp.py wraps): each
-               parameter is flattened, padded to a multiple of N x 128
-               (_shard_size_multiple, read from torch_xla's signature) and split
-               N ways; its optimizer state has the shard's shape. Computed,
-               because XLA:CPU's cross-process collectives deadlock
-               (pytorch/xla#9089), so it cannot be built with N > 1 here.
 
 Not counted, for any strategy: activations (they depend on the batch size),
-gradients (parameter-sized, sharded like the parameters by fsdp and
+gradients (parameter-sized, sharded like the parameters by
 spmd_fsdp), BatchNorm's running statistics (50 KB, whole on every device),
 AdamW's step counters (host scalars), and the transient whole copy of each
 FSDP unit while it runs. MB = 10^6 bytes.
@@ -61,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
-import math
 import os
 import platform
 import resource
@@ -134,12 +125,9 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
 
 
 def computed_rows(configs: dict[str, TrainConfig], device_counts: list[int]) -> list[dict]:
-    """ddp and fsdp per device, from the shapes of the parameters and of the primed state."""
-    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
-
+    """ddp per device, from the shapes of the parameters and of the primed state."""
     from tpustream.training.optim import build_optimizer, prime_optimizer_state
 
-    multiple = inspect.signature(XlaFullyShardedDataParallel).parameters["_shard_size_multiple"].default
     # Shapes only: the meta device allocates nothing.
     with torch.device("meta"):
         model = make_model(configs["sgd"])
@@ -163,27 +151,6 @@ def computed_rows(configs: dict[str, TrainConfig], device_counts: list[int]) -> 
                 "param_bytes": nbytes(params),
                 **{
                     f"{name}_state_bytes": sum(nbytes(v) for v in states[name].values())
-                    for name in OPTIMIZERS
-                },
-            }
-        )
-
-        def shard_bytes(tensor: torch.Tensor, devices: int = devices) -> int:
-            # xla_fully_sharded_data_parallel.py, _get_shard: flatten, pad to a
-            # multiple of world_size x _shard_size_multiple, keep 1/world_size.
-            padded = math.ceil(tensor.numel() / (devices * multiple)) * devices * multiple
-            return padded // devices * tensor.element_size()
-
-        rows.append(
-            {
-                "strategy": "fsdp",
-                "devices": devices,
-                "how": "computed",
-                "param_bytes": sum(shard_bytes(p) for p in params),
-                **{
-                    f"{name}_state_bytes": sum(
-                        shard_bytes(v) for values in states[name].values() for v in values
-                    )
                     for name in OPTIMIZERS
                 },
             }
@@ -310,8 +277,7 @@ def main() -> None:
         measure_in_this_process(args.measure)
         return
 
-    # This process only reads torch_xla's FSDP defaults (the children set
-    # their own); without a device type torch_xla warns that it picks CPU.
+    # The children set their own; without a device type torch_xla warns that it picks CPU.
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     start = time.perf_counter()
     configs = compose_configs()
@@ -321,7 +287,7 @@ def main() -> None:
         computed_here = {row["strategy"]: row for row in computed if row["devices"] == devices}
         # Whole-model strategies first, then the sharded ones.
         rows += [computed_here["ddp"], measured_row("spmd", devices)]
-        rows += [computed_here["fsdp"], measured_row("spmd_fsdp", devices)]
+        rows += [measured_row("spmd_fsdp", devices)]
     seconds = time.perf_counter() - start
 
     with torch.device("meta"):

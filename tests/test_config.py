@@ -40,7 +40,7 @@ def test_default_config_is_digits_small_cnn_sgd_cpu(compose_config):
         ["data=cifar10", "model=resnet50", "batch_size=128", "epochs=18"],
         ["data=cifar100", "model=resnet18", "optim=adamw"],
         ["data=imagenet", "accelerator=tpu", "data.on_error=raise", "data.last_batch=drop"],
-        ["data=cifar100", "model=wrn_seed", "precision=bf16", "strategy=fsdp", "micro_batches=4"],
+        ["data=cifar100", "model=wrn_seed", "precision=bf16", "strategy=spmd_fsdp", "micro_batches=4"],
     ],
 )
 def test_every_group_option_composes(compose_config, overrides):

@@ -80,7 +80,8 @@ TRIVIAL = ("augment.trivialaugment=true",)
         (["eval_every=-1"], "eval_every must be >= 0"),
         (["eval_every=0", "early_stop_patience=2"], "early_stop_patience needs validation"),
         (["optim.reference_batch_size=0"], "optim.reference_batch_size must be at least 1"),
-        (["accelerator=cpu_pod", "strategy=fsdp"], r"strategy=fsdp needs torch_xla's collectives"),
+        (["strategy=fsdp"], r"strategy=fsdp is PyTorch's FSDP2, on the native runtime .* strategy=spmd_fsdp"),
+        (["accelerator=cpu_pod", "strategy=fsdp"], r"strategy=fsdp is PyTorch's FSDP2"),
         # N virtual CPU devices: one GSPMD process (spmd, spmd_fsdp), never N ddp processes.
         (["strategy=spmd", "accelerator.num_devices=4"], None),
         (["accelerator.num_devices=4", "strategy=ddp"], r"strategy=ddp.*use 1, strategy=spmd or spmd_fsdp"),
@@ -110,7 +111,10 @@ TRIVIAL = ("augment.trivialaugment=true",)
             ["strategy=spmd_fsdp", "accelerator.num_devices=4", "batch_size=400"],
             r"batch_size=400 x 4 devices",
         ),
-        (["strategy=fsdp", "debug.check_sync_every=1"], "every replica holds a different shard"),
+        (
+            ["accelerator=cpu_eager", "strategy=fsdp", "debug.check_sync_every=1"],
+            "every replica holds a different shard",
+        ),
         (["debug.profiler_port=70000"], "debug.profiler_port must be a TCP port"),
         (["debug.profile_steps=[5,5]"], r"debug.profile_steps is \[START, END\] with 1 <= START < END"),
         (["augment.randaugment=rand-m9-q2"], r"augment.randaugment='rand-m9-q2': unknown section 'q2'"),

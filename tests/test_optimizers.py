@@ -11,7 +11,6 @@ import copy
 import re
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from tpustream.training.optim import (
     build_optimizer,
     prime_optimizer_state,
     set_learning_rate,
-    sum_over_shards,
 )
 from tpustream.training.optimizers import LAMB, LARS, clip_gradient_norm
 from tpustream.training.schedule import LRSchedule, make_schedule, xla_safe_scalar
@@ -147,65 +145,6 @@ def test_clip_gradient_norm_is_torchs_rule_on_the_device():
     assert all(torch.equal(p.grad, g) for p, g in zip(ours, before, strict=True))
 
 
-def clip_before_step(max_norm: float, sum_over=None):
-    def hook(optimizer, args, kwargs) -> None:
-        clip_gradient_norm(optimizer, max_norm, sum_over)
-
-    return hook
-
-
-class ThreadSum:
-    """Two 'replicas' as threads: each one's sums of squares added to the other's (an all-reduce)."""
-
-    def __init__(self, parties: int):
-        self.barrier = threading.Barrier(parties)
-        self.slots: list[torch.Tensor | None] = [None] * parties
-
-    def for_rank(self, rank: int):
-        def all_reduce(sums: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = sums
-            self.barrier.wait()
-            total = sum(self.slots)
-            self.barrier.wait()  # all have read before anyone writes the next sums
-            return total
-
-        return all_reduce
-
-
-@pytest.mark.parametrize("cls", [LARS, LAMB])
-def test_flat_shards_with_summed_norms_step_as_the_whole_parameter(cls):
-    """torch_xla FSDP's layout: each replica holds a flat half; norms summed over replicas."""
-    generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(4, 6, generator=generator)
-    grads = [torch.randn(4, 6, generator=generator) for _ in LRS]
-
-    def train(param: torch.Tensor, grad_of, sum_over=None) -> torch.Tensor:
-        param = nn.Parameter(param.clone())
-        optimizer = cls([{"params": [param], "weight_decay": 0.01}], lr=LRS[0], sum_over_shards=sum_over)
-        optimizer.register_step_pre_hook(clip_before_step(1.0, sum_over))
-        for lr, grad in zip(LRS, grads, strict=True):
-            optimizer.param_groups[0]["lr"] = lr
-            param.grad = grad_of(grad).clone()
-            optimizer.step()
-        return param.detach()
-
-    whole = train(weight, lambda g: g)
-    shared, halves = ThreadSum(2), [None, None]
-
-    def replica(rank: int) -> None:
-        def half(t):
-            return t.reshape(-1)[rank * 12 : (rank + 1) * 12]
-
-        halves[rank] = train(half(weight), half, shared.for_rank(rank))
-
-    threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    torch.testing.assert_close(torch.cat(halves).reshape(4, 6), whole, rtol=1e-5, atol=1e-7)
-
-
 def small_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
@@ -218,43 +157,12 @@ def config(name: str, **optim) -> TrainConfig:
 
 
 @pytest.mark.parametrize("name", ["lars", "lamb"])
-def test_norm_weights_and_biases_get_no_decay_and_no_adaptation_even_as_flat_shards(name):
+def test_norm_weights_and_biases_get_no_decay_and_no_adaptation(name):
     model = small_model()
     adapted, excluded = build_optimizer(config(name), model).param_groups
     assert adapted["weight_decay"] == 5e-4 and not adapted["exclude_from_adaptation"]
     assert excluded["weight_decay"] == 0 and excluded["exclude_from_adaptation"]
     assert [p.ndim for p in adapted["params"]] == [4, 2] and len(excluded["params"]) == 4
-    for param in model.parameters():  # torch_xla FSDP's flat shards keep their original size
-        param._orig_size = param.shape
-        param.data = param.data.reshape(-1)
-    adapted, excluded = build_optimizer(config(name), model).param_groups
-    assert len(adapted["params"]) == 2 and len(excluded["params"]) == 4
-
-
-def test_norms_are_summed_over_shards_only_under_a_multi_replica_fsdp_wrapper():
-    calls = []
-
-    class FakeFsdp(nn.Module):
-        world_size, sharding_groups = 2, [[0, 1]]
-
-        def __init__(self):
-            super().__init__()
-            self.shard = nn.Parameter(torch.zeros(3))
-            self.shard._is_sharded = True  # torch_xla FSDP's mark on its shards
-
-        def all_reduce_op(self, kind, tensor, groups=None):
-            calls.append((kind, groups))
-            return tensor * 2
-
-    assert sum_over_shards(small_model()) is None  # whole parameters
-    unmarked = FakeFsdp()
-    unmarked.shard._is_sharded = False  # e.g. FSDPv2 (spmd_fsdp): its sharded tensors are global
-    assert sum_over_shards(unmarked) is None
-    single = FakeFsdp()
-    single.world_size = 1
-    assert sum_over_shards(single) is None  # one replica holds every slice
-    summed = sum_over_shards(FakeFsdp())
-    assert torch.equal(summed(torch.ones(2)), torch.full((2,), 2.0)) and calls == [("sum", [[0, 1]])]
 
 
 def make_trained(cfg: TrainConfig, primed: bool, state: tuple[dict, dict] | None = None):
@@ -601,7 +509,6 @@ def test_layer_decay_is_off_at_0_and_1_and_needs_layer_groups():
     [
         ([], r"optim.layer_decay needs a model with layer groups .*, and model=small_cnn has none"),
         (["model=torchvision"], "and model=torchvision resnet18 has none"),
-        (["model=timm", "model.name=vit_tiny_patch16_224", "strategy=fsdp"], "strategy=fsdp's shards lose"),
     ],
 )
 def test_layer_decay_refusals_come_before_spawning(compose_config, digits_root, overrides, message):

@@ -80,9 +80,9 @@ class Precision(str, Enum):
 class Strategy(str, Enum):
     # Every replica holds the whole model; gradients averaged by xm.optimizer_step.
     ddp = "ddp"
-    # torch_xla's fully sharded data parallel: parameters, gradients and
-    # optimizer state sharded over the replicas, for models that do not fit
-    # one core. XLA collectives only (not the gloo-simulated pod).
+    # PyTorch's FSDP2 on the native runtime (GPUs): parameters, gradients and
+    # optimizer state sharded over the replicas. On XLA devices spmd_fsdp does
+    # this (launch refuses fsdp there).
     fsdp = "fsdp"
     # One process per host drives all of its devices as one GSPMD program:
     # data parallel over the device mesh, the model replicated.

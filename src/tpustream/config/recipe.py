@@ -91,7 +91,7 @@ class OptimConfig:
     # Layer-wise lr decay for fine-tuning ViT-style timm models (BEiT; timm's
     # layer_decay): layer i of n (timm's group_matcher, embeddings first, head
     # last) trains at lr x layer_decay ** (n - 1 - i). 0 or 1 = off. Needs a
-    # model with layer groups (model=timm) and a strategy other than fsdp.
+    # model with layer groups (model=timm).
     layer_decay: float = 0.0
 
     def layer_decay_on(self) -> bool:

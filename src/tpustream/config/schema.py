@@ -342,9 +342,10 @@ class TrainConfig:
     micro_batches: int = 1
     precision: Precision = Precision.fp32
     strategy: Strategy = Strategy.ddp
-    # strategy=fsdp: every submodule holding at least this many parameters not
-    # yet wrapped becomes its own FSDP unit, gathered whole only while it runs
-    # (ZeRO-3), so a core never holds all the weights at once; 0 = one unit.
+    # strategy=spmd_fsdp, and fsdp (FSDP2) on the native runtime: every submodule
+    # holding at least this many parameters not yet wrapped becomes its own FSDP
+    # unit, gathered whole only while it runs (ZeRO-3), so a device never holds
+    # all the weights at once; 0 = one unit.
     fsdp_wrap_min_params: int = 1_000_000
     epochs: int = 10
     seed: int = 0

@@ -40,33 +40,28 @@ def check_runtime_and_strategy(cfg: TrainConfig) -> None:
             f"{cfg.strategy.value} runs one program with one model"
         )
     if cfg.strategy == Strategy.fsdp:
-        native = cfg.accelerator.runtime == RuntimeKind.native  # FSDP2: torch.distributed, names kept
-        if cfg.accelerator.collectives == Collectives.gloo and not native:
+        if cfg.accelerator.runtime != RuntimeKind.native:
+            # torch_xla's first FSDP (one process per core) was tested on one replica only;
+            # FSDPv2 (spmd_fsdp) is torch_xla's way to shard a model over a host's cores.
             raise ConfigError(
-                "strategy=fsdp needs torch_xla's collectives (reduce-scatter, all-gather); the simulated "
-                "pod (accelerator=cpu_pod) runs strategy=ddp only (accelerator=cpu_eager runs fsdp as "
-                "PyTorch's FSDP2)"
+                "strategy=fsdp is PyTorch's FSDP2, on the native runtime (accelerator=cuda, cpu_eager); "
+                "on TPUs and XLA devices shard parameters, gradients and optimizer state with "
+                "strategy=spmd_fsdp (FSDPv2, one process per host: docs/large-models.md)"
             )
         if cfg.debug.check_sync_every:
             raise ConfigError(
                 "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
                 "replica holds a different shard"
             )
-        if native and cfg.accelerator.channels_last:
+        if cfg.accelerator.channels_last:
             raise ConfigError(
                 "accelerator.channels_last=true: FSDP2 (strategy=fsdp on the native runtime) shards "
                 "contiguous parameters only (torch 2.9); set it false, or use strategy=ddp"
             )
-        if native and cfg.optim.name in (OptimizerName.lars, OptimizerName.lamb):
+        if cfg.optim.name in (OptimizerName.lars, OptimizerName.lamb):
             raise ConfigError(
                 f"optim={cfg.optim.name.value} takes a norm of every whole parameter; under strategy=fsdp "
                 "on the native runtime (FSDP2) it would see shards: use strategy=ddp, or optim=sgd/adamw"
-            )
-        if cfg.optim.layer_decay_on() and not native:
-            # Its flat shards are new parameters named per FSDP unit; spmd_fsdp keeps the model's.
-            raise ConfigError(
-                f"optim.layer_decay={cfg.optim.layer_decay} groups parameters by layer name, which "
-                "strategy=fsdp's shards lose; use strategy=spmd_fsdp, or optim.layer_decay=0"
             )
 
 

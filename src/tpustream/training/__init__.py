@@ -2,8 +2,7 @@
 
 - ``trainer``: ``Trainer`` (strategy=ddp), the loop, the compiled step, exact
   evaluation, stop votes, and the hooks a strategy overrides;
-- ``fsdp``: ``FsdpTrainer`` (strategy=fsdp), torch_xla's fully sharded data parallel;
-- ``fsdp2``: ``Fsdp2Trainer`` (strategy=fsdp on the native runtime), PyTorch's FSDP2;
+- ``fsdp2``: ``Fsdp2Trainer`` (strategy=fsdp, on the native runtime), PyTorch's FSDP2;
 - ``spmd``: ``SpmdTrainer`` / ``SpmdFsdpTrainer`` (strategy=spmd / spmd_fsdp), one
   GSPMD program over the host's device mesh, the model replicated or sharded (FSDPv2);
 - ``state``: ``TrainState``, what a checkpoint holds, and the resume arithmetic;
@@ -18,24 +17,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpustream.config import RuntimeKind, Strategy, TrainConfig
-from tpustream.training.fsdp import FsdpTrainer
+from tpustream.config import Strategy, TrainConfig
 from tpustream.training.fsdp2 import Fsdp2Trainer
 from tpustream.training.spmd import SpmdFsdpTrainer, SpmdTrainer
 from tpustream.training.trainer import Trainer
 
-__all__ = ["Fsdp2Trainer", "FsdpTrainer", "SpmdFsdpTrainer", "SpmdTrainer", "Trainer", "make_trainer"]
+__all__ = ["Fsdp2Trainer", "SpmdFsdpTrainer", "SpmdTrainer", "Trainer", "make_trainer"]
 
 TRAINERS: dict[Strategy, type[Trainer]] = {
     Strategy.ddp: Trainer,
-    Strategy.fsdp: FsdpTrainer,
+    Strategy.fsdp: Fsdp2Trainer,  # the native runtime's only (launch refuses it on XLA)
     Strategy.spmd: SpmdTrainer,
     Strategy.spmd_fsdp: SpmdFsdpTrainer,
 }
 
 
 def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
-    """The trainer of cfg.strategy (fsdp: FSDP2 on the native runtime), built with Trainer's arguments."""
-    if cfg.strategy == Strategy.fsdp and cfg.accelerator.runtime == RuntimeKind.native:
-        return Fsdp2Trainer(cfg, *args, **kwargs)
+    """The trainer of cfg.strategy, built with Trainer's arguments."""
     return TRAINERS[cfg.strategy](cfg, *args, **kwargs)

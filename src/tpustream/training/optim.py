@@ -15,7 +15,6 @@ from tpustream.training.optimizers import (
     LAMB,
     LARS,
     LayerwiseOptimizer,
-    ShardSum,
     clip_gradient_norm,
     step_values,
 )
@@ -38,28 +37,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """
     for group in optimizer.param_groups:
         group["lr"] = xla_safe_scalar(lr * group.get("lr_scale", 1.0))
-
-
-def original_ndim(param: torch.Tensor) -> int:
-    """Dimensions of a parameter as the model defined it (FSDP shards are flat; they keep the size)."""
-    return len(getattr(param, "_orig_size", param.shape))
-
-
-def sum_over_shards(model: nn.Module) -> ShardSum:
-    """How per-replica sums of squares become whole-parameter ones, for norms.
-
-    torch_xla's FSDP (strategy=fsdp) leaves each replica a flat slice of every
-    parameter and gradient, zero-padded (the padding adds nothing): a norm is
-    the root of the slices' sums added over its sharding group, with the
-    wrapper's own all-reduce (its shards carry ``_is_sharded``). Whole
-    parameters (ddp), and GSPMD's sharded tensors, which are global values
-    (spmd, spmd_fsdp), need nothing: None.
-    """
-    sharded = any(getattr(p, "_is_sharded", False) for p in model.parameters())
-    if not sharded or model.world_size == 1:
-        return None
-    all_reduce, groups = model.all_reduce_op, model.sharding_groups
-    return lambda sums: all_reduce("sum", sums, groups=groups)
 
 
 # SpmdFullyShardedDataParallel (strategy=spmd_fsdp) holds the model's own
@@ -103,7 +80,7 @@ def layer_decay_groups(model: nn.Module, weight_decay: float, layer_decay: float
     groups: dict[tuple[int, bool], dict[str, Any]] = {}
     for name, param in named:
         layer = layer_of.get(name, layer_max)
-        decayed = original_ndim(param) > 1
+        decayed = param.ndim > 1
         if (layer, decayed) not in groups:
             groups[layer, decayed] = {
                 "params": [],
@@ -118,15 +95,15 @@ def parameter_groups(cfg: TrainConfig, model: nn.Module) -> tuple[list[dict[str,
     """The optimizer's groups, and which of them hold norm weights and biases (no decay).
 
     Two groups, weights and the rest, or with optim.layer_decay two per layer.
-    Norm weights and biases are 1-D, told apart by original_ndim: FSDP's flat
-    shards keep their original size.
+    Norm weights and biases are the 1-D parameters (sharded ones keep their
+    shape: FSDP2's DTensors and FSDPv2's tensors are global values).
     """
     o = cfg.optim
     if o.layer_decay_on():
         groups = layer_decay_groups(model, o.weight_decay, o.layer_decay)
-        return groups, [all(original_ndim(p) <= 1 for p in group["params"]) for group in groups]
-    decay = [p for p in model.parameters() if original_ndim(p) > 1]
-    no_decay = [p for p in model.parameters() if original_ndim(p) <= 1]
+        return groups, [all(p.ndim <= 1 for p in group["params"]) for group in groups]
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
     groups = [
         {"params": decay, "weight_decay": o.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -141,12 +118,11 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     layer-wise adaptation either (the MLPerf ResNet-50 reference's skip
     list). With optim.clip_grad_norm, gradients are clipped at the start
     of every step() call: after the replicas' gradients are averaged
-    (xm.optimizer_step, the gloo all-reduce and FSDP's reduce-scatter all come
+    (xm.optimizer_step, the gloo all-reduce and FSDP2's reduce-scatter all come
     first) and before the update.
     """
     o = cfg.optim
     groups, norms_and_biases = parameter_groups(cfg, model)
-    shard_sum = sum_over_shards(model)
     if o.name == OptimizerName.sgd:
         optimizer = torch.optim.SGD(
             groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0
@@ -165,14 +141,13 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
                 eta=o.lars_eta,
                 eps=o.eps,
                 nesterov=o.nesterov and o.momentum > 0,
-                sum_over_shards=shard_sum,
             )
         else:
-            optimizer = LAMB(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, sum_over_shards=shard_sum)
+            optimizer = LAMB(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     if o.clip_grad_norm > 0:
 
         def clip_before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-            clip_gradient_norm(opt, o.clip_grad_norm, shard_sum)
+            clip_gradient_norm(opt, o.clip_grad_norm)
 
         optimizer.register_step_pre_hook(clip_before_step)
     keep_groups_on_load(optimizer)

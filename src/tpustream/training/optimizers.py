@@ -12,9 +12,8 @@ plain steps, as the MLPerf ResNet-50 reference leaves them out of LARS
 (``skip_list=['batch_normalization', 'bias', 'bn']``, mlcommons/training
 image_classification/tensorflow2/common.py).
 
-Norms are per parameter. Under torch_xla's FSDP a replica holds a flat slice of
-each parameter; ``sum_over_shards`` (``optim.sum_over_shards``) then adds the
-slices' sums of squares over the replicas, one all-reduce per step.
+Norms are per parameter, over whole parameters (ddp) or GSPMD's sharded
+tensors, which are global values (spmd_fsdp).
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ from collections.abc import Callable
 import torch
 from torch.optim.optimizer import ParamsT
 
-# Adds per-replica sums of squares into whole-parameter ones (None: parameters are whole).
-ShardSum = Callable[[torch.Tensor], torch.Tensor] | None
 # Makes a zero state tensor: (shape, dtype, device) -> tensor.
 Zeros = Callable[[torch.Size, torch.dtype, torch.device], torch.Tensor]
 
@@ -35,10 +32,9 @@ def device_zeros(shape: torch.Size, dtype: torch.dtype, device: torch.device) ->
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def squared_norms(tensors: list[torch.Tensor], sum_over_shards: ShardSum) -> torch.Tensor:
-    """Each tensor's sum of squares, in float32, as one 1-D tensor (one collective for all)."""
-    squares = torch.stack([t.detach().float().square().sum() for t in tensors])
-    return squares if sum_over_shards is None else sum_over_shards(squares)
+def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of squares, in float32, as one 1-D tensor."""
+    return torch.stack([t.detach().float().square().sum() for t in tensors])
 
 
 def trust_ratio(
@@ -75,11 +71,10 @@ def bias_correction(beta: float, count: torch.Tensor) -> torch.Tensor:
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
-    """What LARS and LAMB share: groups, state made by ``initial_state``, the shard sum."""
+    """What LARS and LAMB share: groups, and state made by ``initial_state``."""
 
-    def __init__(self, params: ParamsT, defaults: dict, sum_over_shards: ShardSum = None):
+    def __init__(self, params: ParamsT, defaults: dict):
         super().__init__(params, {**defaults, "exclude_from_adaptation": False})
-        self.sum_over_shards = sum_over_shards
 
     def initial_state(self, param: torch.Tensor, group: dict, zeros: Zeros) -> dict[str, torch.Tensor]:
         """The state a parameter starts with, its tensors made by ``zeros``."""
@@ -139,12 +134,11 @@ class LARS(LayerwiseOptimizer):
         eta: float = 0.001,
         eps: float = 0.0,
         nesterov: bool = False,
-        sum_over_shards: ShardSum = None,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, eps=eps, nesterov=nesterov
         )
-        super().__init__(params, defaults, sum_over_shards)
+        super().__init__(params, defaults)
 
     def initial_state(self, param, group, zeros):
         return (
@@ -158,7 +152,7 @@ class LARS(LayerwiseOptimizer):
         if group["exclude_from_adaptation"]:
             rates = [lr] * len(params)
         else:
-            squares = squared_norms([*params, *(p.grad for p in params)], self.sum_over_shards)
+            squares = squared_norms([*params, *(p.grad for p in params)])
             w_norms, g_norms = squares.sqrt().split(len(params))
             denominators = g_norms + decay * w_norms + group["eps"]
             ratios = trust_ratio(group["eta"] * w_norms, denominators, w_norms, g_norms)
@@ -201,10 +195,9 @@ class LAMB(LayerwiseOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
-        sum_over_shards: ShardSum = None,
     ):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, capturable=True)
-        super().__init__(params, defaults, sum_over_shards)
+        super().__init__(params, defaults)
 
     def initial_state(self, param, group, zeros):
         return {
@@ -230,21 +223,21 @@ class LAMB(LayerwiseOptimizer):
         if group["exclude_from_adaptation"]:
             rates = [lr] * len(params)
         else:
-            squares = squared_norms([*params, *updates], self.sum_over_shards)
+            squares = squared_norms([*params, *updates])
             w_norms, u_norms = squares.sqrt().split(len(params))
             rates = list((lr * trust_ratio(w_norms, u_norms, w_norms, u_norms)).unbind())
         for param, update, rate in zip(params, updates, rates, strict=True):
             param.sub_(update.mul_(rate))
 
 
-def clip_gradient_norm(optimizer: torch.optim.Optimizer, max_norm: float, sum_over_shards: ShardSum = None):
+def clip_gradient_norm(optimizer: torch.optim.Optimizer, max_norm: float):
     """Scale every gradient by min(1, max_norm / (total norm + 1e-6)), on the device.
 
     torch.nn.utils.clip_grad_norm_'s rule over the optimizer's parameters; the
     total norm is a tensor, never read on the host. Returns it.
     """
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    total = squared_norms(grads, sum_over_shards).sum().sqrt()
+    total = squared_norms(grads).sum().sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         grad.mul_(scale.to(grad.dtype))

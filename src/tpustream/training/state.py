@@ -280,7 +280,9 @@ class ProgressAttribute:
 
 
 # Strategies whose checkpoints hold the whole model's optimizer state, parameter by parameter
-# in model order, and resume one another's; so does FSDP2's fsdp (torch_xla's saves "shards").
+# in model order, and resume one another's; so does FSDP2's fsdp. A checkpoint of torch_xla's
+# first FSDP (strategy=fsdp on XLA, refused now) holds each replica's optimizer "shards" instead:
+# it loads, its optimizer state starting fresh.
 PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
 
 

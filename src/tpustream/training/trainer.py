@@ -7,7 +7,8 @@ holds is ``state``'s, what an epoch reports is ``report``'s, the debug checks
 are ``debug``'s, the step's hooks ``step``'s (inherited); this module is the
 loop and the strategy's hooks. Subclasses change
 one hook (``wrap_model``, ``run_optimizer``, ``model_and_optimizer_state``, ...) to make a
-variant: ``FsdpTrainer`` (module ``fsdp``) is the fully sharded one (``strategy=fsdp``).
+variant: ``Fsdp2Trainer`` (module ``fsdp2``, ``strategy=fsdp`` on the native runtime) and
+``SpmdTrainer`` / ``SpmdFsdpTrainer`` (module ``spmd``).
 """
 
 from __future__ import annotations
