@@ -25,6 +25,10 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tpustream.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OVERRIDES = ("data.num_workers=2",)
@@ -41,6 +45,29 @@ def steady_rate(records: Sequence[dict]) -> float:
 def run_order(refs: Sequence[str], rounds: int) -> list[tuple[str, int]]:
     """(ref, round) in the order they run: every ref once per round, alternating."""
     return [(ref, n) for n in range(rounds) for ref in refs]
+
+
+def compose_train_config(overrides: Sequence[str]) -> TrainConfig:
+    """The TrainConfig train.py would run with these overrides (composed and resolved); Hydra's errors pass.
+
+    output_dir and log_dir default to Hydra's run folder, which exists only inside
+    train.py: placeholders here, nothing is written to them.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tpustream.config import register_configs
+    from tpustream.launch.checks import resolve_config
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            placeholders = ["output_dir=/unused", "log_dir=null"]
+            composed = compose(config_name="config", overrides=[*placeholders, *overrides])
+        return resolve_config(composed)[0]
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def train_command(tree: Path, out: Path, epochs: int, overrides: Sequence[str]) -> list[str]:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.ab import REPO, steady_rate, train_command
+from bench.ab import REPO, compose_train_config, steady_rate, train_command
 from tpustream.observe.advice import mean_of, measured
 
 KINDS = ("synthetic", "real")
@@ -117,27 +117,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def check_runnable(overrides: Sequence[str]) -> None:
     """Compose the overrides as train.py would and list the real run's shards; or exit in one line."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from tpustream.config import register_configs
     from tpustream.data.resolve.spec import expand_spec
     from tpustream.errors import ConfigError
-    from tpustream.launch.checks import resolve_config
 
-    register_configs()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            # output_dir and log_dir default to Hydra's run folder, which exists only inside train.py.
-            placeholders = ["output_dir=/unused", "log_dir=null"]
-            composed = compose(config_name="config", overrides=[*placeholders, *overrides])
-        cfg = resolve_config(composed)[0]
+        cfg = compose_train_config(overrides)
     except Exception as exc:  # Hydra raises several types; all mean "train.py would refuse"
         refused = shlex.join(overrides) or "the defaults"
         raise SystemExit(f"bench.limit: train.py would refuse {refused}: {exc}") from None
-    finally:
-        GlobalHydra.instance().clear()
     if cfg.data.train_shards is None:
         return
     try:

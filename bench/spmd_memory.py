@@ -83,20 +83,9 @@ MEASURED = {"spmd": "data", "spmd_fsdp": "fsdp"}  # strategy -> the mesh axis it
 
 def compose_configs() -> dict[str, TrainConfig]:
     """The TrainConfig train.py composes for model=wrn_seed with each optimizer, keyed by optim name."""
-    from hydra import compose, initialize_config_dir
+    from bench.ab import compose_train_config
 
-    from tpustream.config import register_configs
-    from tpustream.launch.checks import resolve_config
-
-    register_configs()
-    configs = {}
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for name in OPTIMIZERS:
-            # output_dir and log_dir default to Hydra's run folder, which exists
-            # only inside a Hydra app; nothing is written to them here.
-            overrides = [f"optim={name}", "model=wrn_seed", "output_dir=/tmp/unused", "log_dir=null"]
-            configs[name] = resolve_config(compose(config_name="config", overrides=overrides))[0]
-    return configs
+    return {name: compose_train_config([f"optim={name}", "model=wrn_seed"]) for name in OPTIMIZERS}
 
 
 def make_model(cfg: TrainConfig) -> nn.Module:
