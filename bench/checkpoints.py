@@ -122,7 +122,7 @@ class CopyTimingRuntime:
 
 def writer_for(output_dir: str, asynchronous: bool, runtime) -> CheckpointWriter:
     cfg = TrainConfig()
-    cfg.data = DataConfig(name="bench", root="-")
+    cfg.data = DataConfig(root="-")
     cfg.output_dir, cfg.log_dir = output_dir, output_dir
     cfg.checkpoint.asynchronous = asynchronous
     return CheckpointWriter(cfg, runtime)

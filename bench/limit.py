@@ -132,7 +132,7 @@ def check_runnable(overrides: Sequence[str]) -> None:
     except ConfigError as exc:
         hint = (
             f"; make the embedded digits first: tpustream-make-shards digits {cfg.data.root}"
-            if cfg.data.name == "digits"
+            if str(cfg.data.root).rstrip("/").endswith("/digits")
             else ""
         )
         raise SystemExit(f"bench.limit: the real run has no shards to read: {exc}{hint}") from None

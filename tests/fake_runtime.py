@@ -303,7 +303,7 @@ def tiny_config(output_dir: str, **changes: Any):
     from tpustream.config import AcceleratorConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 
     cfg = TrainConfig()
-    cfg.data = DataConfig(name="tiny", root="memory", train_shards="-", val_shards="-", num_workers=0)
+    cfg.data = DataConfig(root="memory", train_shards="-", val_shards="-", num_workers=0)
     cfg.model = ModelConfig(name="tiny")
     cfg.optim = OptimConfig(lr=0.05)
     cfg.accelerator = AcceleratorConfig()

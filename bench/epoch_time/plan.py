@@ -220,7 +220,8 @@ def _device_and_runtime(cfg: Any) -> tuple[str, str]:
 def default_name(cfg: Any) -> str:
     device, runtime = _device_and_runtime(cfg)
     suffix = device.lower() if runtime == "xla" else {"CPU": "cpu_eager"}.get(device, device.lower())
-    return f"{cfg.model.name}-{cfg.data.name}-{suffix}"
+    data = str(cfg.data.root).rstrip("/").rsplit("/", 1)[-1]  # the dataset's folder: digits, imagenet
+    return f"{cfg.model.name}-{data}-{suffix}"
 
 
 def describe_device(cfg: Any) -> str:

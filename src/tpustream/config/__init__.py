@@ -5,8 +5,11 @@ type against them when it composes the config, so a typo such as
 ``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
 
 ``schema`` holds the dataclasses (each section checks its own fields; the
-recipe's sections, model, optim and ema, are ``recipe``'s),
-``choices`` the enums, ``environment`` the settings read from the environment.
+recipe's sections, model, optim and ema, are ``recipe``'s), each field
+declared with ``facts.setting``: its documentation and facts beside it;
+``keys`` resolves those by dotted name (docs/configuration.md is written from
+them); ``choices`` holds the enums, ``environment`` the settings read from the
+environment.
 
 This package is the ground floor: everything reads it, and it imports none
 of the code that reads it. A check that needs the data code, a model or

@@ -8,7 +8,7 @@ name, options and weights are the model code's to judge (models.check_model_conf
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -24,6 +24,7 @@ from tpustream.config.choices import (
     OptimizerName,
     Schedule,
 )
+from tpustream.config.facts import OnResume, setting
 from tpustream.errors import ConfigError
 
 
@@ -31,16 +32,28 @@ from tpustream.errors import ConfigError
 class ModelConfig:
     """A model: its library, its name there, and the keyword options its constructor takes."""
 
-    # tpustream (built-in families), timm (model=timm) or torchvision (model=torchvision).
-    library: ModelLibrary = ModelLibrary.tpustream
-    name: str = MISSING
-    options: dict[str, Any] = field(default_factory=dict)
-    # Start a fresh run from pretrained weights, read once per host before spawning:
-    # true = the library's own for model.name (timm: from the Hugging Face hub, the name
-    # may carry a tag, resnet18.a1_in1k; torchvision: DEFAULT, or a name: IMAGENET1K_V2);
-    # or a file (path, gs://, http(s)://; safetensors or torch; timm's, torchvision's or
-    # our key layout). A head of another class count starts fresh. null or false = none.
-    pretrained: str | None = None
+    library: ModelLibrary = setting(
+        ModelLibrary.tpustream,
+        "tpustream (built-in families), timm (model=timm) or torchvision (model=torchvision).",
+    )
+    name: str = setting(
+        MISSING,
+        "The model's name in its library: small_cnn, resnet18, resnet50, wrn_seed (tpustream), any timm or "
+        "torchvision classifier (docs/models.md).",
+    )
+    options: dict[str, Any] = setting(
+        factory=dict,
+        doc="Keyword options of the model's constructor (model.options.width=8, drop_path_rate=0.1, ...).",
+        free_form=True,
+    )
+    pretrained: str | None = setting(
+        None,
+        "Start a fresh run from pretrained weights, read once per host before spawning: true = the "
+        "library's own for model.name (timm: from the Hugging Face hub, the name may carry a tag, "
+        "resnet18.a1_in1k; torchvision: DEFAULT, or a name: IMAGENET1K_V2); or a file (path, gs://, "
+        "http(s)://; safetensors or torch; timm's, torchvision's or our key layout). A head of another "
+        "class count starts fresh. null or false = none.",
+    )
 
     def wants_pretrained(self) -> bool:
         """model.pretrained names weights: not null, not false (Hydra hands this field false as "False")."""
@@ -49,50 +62,81 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: OptimizerName = OptimizerName.sgd
-    # Peak learning rate: for the global batch (batch_size x replicas), or for
-    # reference_batch_size when that is set.
-    lr: float = 0.1
-    # Linear scaling rule (Goyal et al. 2017): the peak becomes
-    # lr x global batch / reference_batch_size, reached after the warmup. null = no scaling.
-    reference_batch_size: int | None = None
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-4
-    label_smoothing: float = 0.0
-    schedule: Schedule = Schedule.cosine
-    warmup_epochs: float = 1.0
-    min_lr_ratio: float = 0.0
-    # schedule=step: multiply the learning rate by decay_factor every
-    # decay_every_epochs, counted from the first step (warmup included).
-    decay_every_epochs: float = 30.0
-    decay_factor: float = 0.1
-    # schedule=poly: after the warmup, lr x (1 - progress) ** poly_power, not
-    # below min_lr_ratio x lr (2 in MLPerf ResNet-50's LARS recipe).
-    poly_power: float = 2.0
-    # A run continued with another `epochs` under a cosine or poly schedule
-    # (whose curve is drawn over epochs): refuse (say what each choice does),
-    # keep (the old horizon), restart (a new warmup and decay from the resume
-    # point to the new epochs) or stretch (redrawn over the new epochs).
-    on_epochs_change: EpochsChange = EpochsChange.refuse
-    # Before every step, scale all gradients so that their global L2 norm (over
-    # every parameter, after the replicas' gradients are averaged) is at most
-    # this, on the device (torch.nn.utils.clip_grad_norm_'s rule); 0 = off.
-    clip_grad_norm: float = 0.0
-    # name=lars: the trust coefficient eta (You et al. 2017): each weight
-    # tensor's step is scaled by eta x |w| / (|g| + weight_decay x |w| + eps).
-    # Norm weights and biases get neither this nor weight decay.
-    lars_eta: float = 0.001
-    # name=adamw and lamb: the decay rates of Adam's first and second moments.
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    # Added to denominators: Adam's and LAMB's sqrt(second moment) (the LAMB
-    # paper uses 1e-6), LARS's trust-ratio denominator (MLPerf: 0).
-    eps: float = 1e-8
-    # Layer-wise lr decay for fine-tuning ViT-style timm models (BEiT; timm's
-    # layer_decay): layer i of n (timm's group_matcher, embeddings first, head
-    # last) trains at lr x layer_decay ** (n - 1 - i). 0 or 1 = off. Needs a
-    # model with layer groups (model=timm).
-    layer_decay: float = 0.0
+    name: OptimizerName = setting(
+        OptimizerName.sgd,
+        "sgd (momentum, Nesterov by default), adamw, lars (SGD with a per-tensor trust ratio: MLPerf "
+        "ResNet-50's) or lamb (Adam with a per-tensor trust ratio).",
+    )
+    lr: float = setting(
+        0.1,
+        "Peak learning rate: for the global batch (batch_size x replicas), or for reference_batch_size "
+        "when that is set.",
+    )
+    reference_batch_size: int | None = setting(
+        None,
+        "Linear scaling rule (Goyal et al. 2017): the peak becomes lr x global batch / "
+        "reference_batch_size, reached after the warmup. null = no scaling.",
+    )
+    momentum: float = setting(0.9, "name=sgd and lars: the momentum of the update.")
+    nesterov: bool = setting(True, "name=sgd: Nesterov's momentum.")
+    weight_decay: float = setting(
+        5e-4, "L2 weight decay (decoupled for adamw); norm weights and biases get none under lars and lamb."
+    )
+    label_smoothing: float = setting(0.0, "Label smoothing of the cross-entropy loss, in [0, 1).")
+    schedule: Schedule = setting(
+        Schedule.cosine,
+        "After a linear warmup: cosine decay to min_lr_ratio x lr, constant, step (x decay_factor every "
+        "decay_every_epochs) or poly ((1 - progress) ** poly_power).",
+    )
+    warmup_epochs: float = setting(
+        1.0, "Epochs of the linear warmup from 0 to the peak lr (fractions allowed)."
+    )
+    min_lr_ratio: float = setting(0.0, "The schedule's floor as a fraction of the peak lr.")
+    decay_every_epochs: float = setting(
+        30.0,
+        "schedule=step: multiply the learning rate by decay_factor every decay_every_epochs, counted from"
+        " the first step (warmup included).",
+    )
+    decay_factor: float = setting(0.1, "schedule=step: the factor applied every decay_every_epochs.")
+    poly_power: float = setting(
+        2.0,
+        "schedule=poly: after the warmup, lr x (1 - progress) ** poly_power, not below min_lr_ratio x lr "
+        "(2 in MLPerf ResNet-50's LARS recipe).",
+    )
+    on_epochs_change: EpochsChange = setting(
+        EpochsChange.refuse,
+        "A run continued with another `epochs` under a cosine or poly schedule (whose curve is drawn over"
+        " epochs): refuse (say what each choice does), keep (the old horizon), restart (a new warmup and "
+        "decay from the resume point to the new epochs) or stretch (redrawn over the new epochs).",
+        resume=OnResume.change,
+    )
+    clip_grad_norm: float = setting(
+        0.0,
+        "Before every step, scale all gradients so that their global L2 norm (over every parameter, after"
+        " the replicas' gradients are averaged) is at most this, on the device "
+        "(torch.nn.utils.clip_grad_norm_'s rule); 0 = off.",
+    )
+    lars_eta: float = setting(
+        0.001,
+        "name=lars: the trust coefficient eta (You et al. 2017): each weight tensor's step is scaled by "
+        "eta x |w| / (|g| + weight_decay x |w| + eps). Norm weights and biases get neither this nor "
+        "weight decay.",
+    )
+    betas: list[float] = setting(
+        factory=lambda: [0.9, 0.999],
+        doc="name=adamw and lamb: the decay rates of Adam's first and second moments.",
+    )
+    eps: float = setting(
+        1e-8,
+        "Added to denominators: Adam's and LAMB's sqrt(second moment) (the LAMB paper uses 1e-6), LARS's "
+        "trust-ratio denominator (MLPerf: 0).",
+    )
+    layer_decay: float = setting(
+        0.0,
+        "Layer-wise lr decay for fine-tuning ViT-style timm models (BEiT; timm's layer_decay): layer i of"
+        " n (timm's group_matcher, embeddings first, head last) trains at lr x layer_decay ** (n - 1 - "
+        "i). 0 or 1 = off. Needs a model with layer groups (model=timm).",
+    )
 
     def layer_decay_on(self) -> bool:
         return 0 < self.layer_decay < 1
@@ -151,15 +195,15 @@ class EmaConfig:
     updates, at most `decay`. Evaluated at every evaluation beside the raw weights.
     """
 
-    # 0 = off; e.g. 0.9998 (timm's ImageNet recipes), 0.99996 (DeiT).
-    decay: float = 0.0
-    # Ramp the decay up from 0 (timm's use_warmup; off by default, as there).
-    # 2/3 reaches 0.999 after 31.6k updates and 0.9999 after 1M; 3/4 after 10k and 215k.
-    warmup: bool = False
-    warmup_gamma: float = 1.0
-    warmup_power: float = 2 / 3
-    # Which accuracy best.pt and early stopping follow: raw or ema.
-    select_best: BestOf = BestOf.raw
+    decay: float = setting(0.0, "0 = off; e.g. 0.9998 (timm's ImageNet recipes), 0.99996 (DeiT).")
+    warmup: bool = setting(
+        False,
+        "Ramp the decay up from 0 (timm's use_warmup; off by default, as there). 2/3 reaches 0.999 after "
+        "31.6k updates and 0.9999 after 1M; 3/4 after 10k and 215k.",
+    )
+    warmup_gamma: float = setting(1.0, "ema.warmup: gamma of d = 1 - (1 + n / gamma) ** -power.")
+    warmup_power: float = setting(2 / 3, "ema.warmup: power of d = 1 - (1 + n / gamma) ** -power.")
+    select_best: BestOf = setting(BestOf.raw, "Which accuracy best.pt and early stopping follow: raw or ema.")
 
     def check(self) -> None:
         if not (math.isfinite(self.decay) and 0 <= self.decay < 1):
@@ -206,30 +250,57 @@ class AugmentConfig:
     Mixing pairs sample i with sample B-1-i of the same device's batch.
     """
 
-    # Mixup: images and targets mixed with lambda ~ Beta(mixup_alpha, mixup_alpha); 0 = off.
-    mixup_alpha: float = 0.0
-    # CutMix: a box of area 1 - lambda, lambda ~ Beta(cutmix_alpha, cutmix_alpha); 0 = off.
-    cutmix_alpha: float = 0.0
-    # CutMix box sides as fractions of the image, drawn in [min, max) instead of from alpha.
-    cutmix_minmax: list[float] | None = None
-    # Probability of mixing a batch (pair, sample); of cutmix rather than mixup when both are on.
-    mix_prob: float = 1.0
-    switch_prob: float = 0.5
-    mix_mode: MixMode = MixMode.batch
-    # Random erasing: each sample with this probability gets erase_count rectangles
-    # (2% to 1/3 of the image together, aspect 0.3 to 3.3), filled per erase_mode; 0 = off.
-    erase_prob: float = 0.0
-    erase_mode: EraseMode = EraseMode.const
-    erase_count: int = 1
-    # RandAugment as timm's config string ("rand-m9-mstd0.5-inc1": magnitude 9 of 10, its
-    # noise, the increasing op set; n layers, p per op, mmax, tweights); null = off.
-    randaugment: str | None = None
-    # torchvision's TrivialAugmentWide: one of 14 operations at one of 31 magnitudes.
-    trivialaugment: bool = False
-    # Their geometric operations' resampling and fill (0..255 per channel; null: the
-    # data's mean colour, round(255 * data.mean), as timm fills with img_mean).
-    interpolation: Interpolation = Interpolation.bilinear
-    fill: list[float] | None = None
+    mixup_alpha: float = setting(
+        0.0,
+        "Mixup: images and targets mixed with lambda ~ Beta(mixup_alpha, mixup_alpha); 0 = off.",
+    )
+    cutmix_alpha: float = setting(
+        0.0,
+        "CutMix: a box of area 1 - lambda, lambda ~ Beta(cutmix_alpha, cutmix_alpha); 0 = off.",
+    )
+    cutmix_minmax: list[float] | None = setting(
+        None,
+        "CutMix box sides as fractions of the image, drawn in [min, max) instead of from alpha.",
+    )
+    mix_prob: float = setting(
+        1.0,
+        "Probability of mixing a batch (pair, sample, per augment.mix_mode).",
+    )
+    switch_prob: float = setting(0.5, "Probability of cutmix rather than mixup when both are on.")
+    mix_mode: MixMode = setting(
+        MixMode.batch,
+        "How mixing parameters are drawn within each device's batch: one for the batch, one per pair of "
+        "samples i and B-1-i, or one per sample (elem).",
+    )
+    erase_prob: float = setting(
+        0.0,
+        "Random erasing: each sample with this probability gets erase_count rectangles (2% to 1/3 of the "
+        "image together, aspect 0.3 to 3.3), filled per erase_mode; 0 = off.",
+    )
+    erase_mode: EraseMode = setting(
+        EraseMode.const,
+        "What erased rectangles hold, in normalised units: const = 0 (the mean colour), rand = one "
+        "standard-normal colour per rectangle, pixel = standard-normal noise per pixel.",
+    )
+    erase_count: int = setting(1, "Rectangles erased in a sample that random erasing picks.")
+    randaugment: str | None = setting(
+        None,
+        'RandAugment as timm\'s config string ("rand-m9-mstd0.5-inc1": magnitude 9 of 10, its noise, the '
+        "increasing op set; n layers, p per op, mmax, tweights); null = off.",
+    )
+    trivialaugment: bool = setting(
+        False,
+        "torchvision's TrivialAugmentWide: one of 14 operations at one of 31 magnitudes.",
+    )
+    interpolation: Interpolation = setting(
+        Interpolation.bilinear,
+        "How RandAugment's and TrivialAugment's geometric operations resample.",
+    )
+    fill: list[float] | None = setting(
+        None,
+        "What RandAugment's and TrivialAugment's geometric operations fill with, 0..255 per channel; "
+        "null = the data's mean colour, round(255 * data.mean), as timm fills with img_mean.",
+    )
 
     def mixing(self) -> bool:
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0 or self.cutmix_minmax is not None

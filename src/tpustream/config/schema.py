@@ -3,13 +3,14 @@
 The YAML files in conf/ fill these dataclasses; Hydra checks every key and
 type against them when it composes the config, so a typo such as
 ``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
-The recipe's sections (model, optim, ema) are in ``recipe``. Checks across
+Each field is a ``setting``: its default, what it does (docs/configuration.md's
+line for it) and its facts (config.facts). The recipe's sections (model, optim, ema) are in ``recipe``. Checks across
 sections, the data and the machine are launch.checks'.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import MISSING
@@ -26,6 +27,7 @@ from tpustream.config.choices import (
     Strategy,
     TrainCrop,
 )
+from tpustream.config.facts import OnResume, setting
 from tpustream.config.recipe import AugmentConfig, EmaConfig, ModelConfig, OptimConfig
 from tpustream.errors import ConfigError
 
@@ -34,86 +36,149 @@ from tpustream.errors import ConfigError
 class DataConfig:
     """Where the shards are and how samples become batches."""
 
-    name: str = MISSING
-    # Folder or gs:// prefix holding train/ and test/ (or val/) as written by tpustream-make-shards.
-    root: str = MISSING
-    # A split's shards (any WebDataset shards, .tar or .tar.gz): a folder or
-    # gs:// prefix, a brace pattern, a list of URLs or patterns, or an index
-    # file (manifest.json, a wids shard index, tpustream-index.json). URLs may
-    # be local, gs://, http(s):// or pipe:. A string or a list of strings.
-    train_shards: Any = MISSING
-    val_shards: Any = MISSING
-    # The sample field holding the image; null = the first of jpg jpeg png ppm
-    # pgm pbm webp bmp tif tiff gif raw present; "a;b" = a, else b.
-    image_key: str | None = None
-    # The sample field holding the integer label: cls, cls2, index, ..., or
-    # json:<field> for a field of the sample's json member (json:a.b nests).
-    label_key: str = "cls"
-    # Classes when the shards have no tpustream manifest naming them (labels 0..n-1).
-    num_classes: int | None = None
-    # Image side in pixels (square); null = the manifest's, else the first sample's.
-    image_size: int | None = None
-    # Channels every image becomes (1 or 3); null = the manifest's, else 3.
-    channels: int | None = None
-    # Sample counts not recorded beside the shards: auto = count at start and
-    # save tpustream-index.json (beside the shards, else in output_dir); never = error.
-    index: IndexMode = IndexMode.auto
-    # Extra webdataset stages run on decoded samples, in order: import paths
-    # "package.module:function" of callables taking and returning an iterator
-    # of {"image": uint8 CHW array, "label": int, ...} dicts (docs/data.md: "Your own stages").
-    stages: list[str] = field(default_factory=list)
-    # Per-channel statistics of the training images, on the 0..1 scale.
-    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
-    # DataLoader worker processes per replica (0 = read in the training process), or
-    # auto: chosen at start from the pipeline's measured rate (launch.workers; docs/watching.md).
-    num_workers: Any = 2
-    # Batches each worker prepares ahead. With workers, a loader keeps whole batches in
-    # shared memory (/dev/shm) for them to write into: prefetch_factor + 3 (training
-    # under canonical streams), 2 a worker + 3 (validation; data.read.assemble.ring_slots).
-    prefetch_factor: int = 4
-    # Encoded samples each reader (a worker, or a replica without workers) holds
-    # for shuffling (the pipeline's memory bound); 0 = shard order only.
-    shuffle_buffer: int = 2000
-    # Canonical streams the training order is cut into, fixed when a run starts
-    # and kept by its checkpoints (docs/progress.md: "Resume on any shape"): a stopped run
-    # continues on any number of replicas dividing it, with any workers up to
-    # its share per replica. auto = a few per reader, more where that evens out
-    # the workers' shares (docs/input.md); 0 = a per-reader order that resumes
-    # mid-epoch only on the same shape.
-    streams: Any = "auto"
-    last_batch: LastBatch = LastBatch.pad
-    on_error: OnError = OnError.skip
-    # Stop the run when more than this fraction of a split's samples were bad
-    # or missing in an epoch (on_error=skip): padding a broken dataset is not training.
-    max_bad_fraction: float = 0.01
-    # Training crop: pad_crop (images of one size) or random_resized (any size, ImageNet's).
-    train_crop: TrainCrop = TrainCrop.pad_crop
-    # pad_crop: random crop after zero-padding by this many pixels (0 = no crop).
-    crop_padding: int = 4
-    # random_resized: evaluation resizes the shorter side to image_size / this
-    # (0.875: 256 for 224) and takes the centre image_size square.
-    eval_crop_ratio: float = 0.875
-    hflip: bool = True
-    # random_resized: where JPEGs are decoded. host = in the DataLoader workers;
-    # device = on the replica's GPU (nvJPEG): the workers only read the bytes and
-    # draw the crops, for GPU hosts with few vCPUs per GPU (docs/input.md). The
-    # native runtime only (accelerator=cuda, cpu_eager); TPUs decode on the host.
-    decode: Decode = Decode.host
-    # Read and decode the whole split once per replica and serve batches from
-    # memory (shared with the DataLoader workers) instead of streaming shards
-    # every epoch: same batches, no storage reads or decoding after the first.
-    in_memory: bool = False
-    # Train on one batch of the data's shapes and label range, made once per
-    # replica and kept on the device: the run's own step (model, optimizer,
-    # precision, strategy, device augmentation, EMA) with no input pipeline,
-    # so its samples/s is the accelerator's rate, the yardstick for a real
-    # run's. Shapes from the shards' manifest when there are shards, else from
-    # num_classes, image_size and channels. No evaluation, no checkpoints;
-    # metrics.jsonl is marked "synthetic" (docs/watching.md).
-    synthetic: bool = False
-    # data.synthetic: steps an epoch; null = the training split's steps, or 100 without shards.
-    synthetic_steps: int | None = None
+    root: str = setting(
+        MISSING,
+        "Folder or gs:// prefix holding train/ and test/ (or val/) as written by tpustream-make-shards.",
+        path=True,
+    )
+    train_shards: Any = setting(
+        MISSING,
+        "A split's shards (any WebDataset shards, .tar or .tar.gz): a folder or gs:// prefix, a brace "
+        "pattern, a list of URLs or patterns, or an index file (manifest.json, a wids shard index, "
+        "tpustream-index.json). URLs may be local, gs://, http(s):// or pipe:. A string or a list of "
+        "strings.",
+        path=True,
+    )
+    val_shards: Any = setting(
+        MISSING, "The validation split's shards, given as data.train_shards are.", path=True
+    )
+    image_key: str | None = setting(
+        None,
+        "The sample field holding the image; null = the first of jpg jpeg png ppm pgm pbm webp bmp tif "
+        'tiff gif raw present; "a;b" = a, else b.',
+    )
+    label_key: str = setting(
+        "cls",
+        "The sample field holding the integer label: cls, cls2, index, ..., or json:<field> for a field "
+        "of the sample's json member (json:a.b nests).",
+    )
+    num_classes: int | None = setting(
+        None,
+        "Classes when the shards have no tpustream manifest naming them (labels 0..n-1).",
+    )
+    image_size: int | None = setting(
+        None,
+        "Image side in pixels (square); null = the manifest's, else the first sample's.",
+    )
+    channels: int | None = setting(
+        None,
+        "Channels every image becomes (1 or 3); null = the manifest's, else 3.",
+    )
+    index: IndexMode = setting(
+        IndexMode.auto,
+        "Sample counts not recorded beside the shards: auto = count at start and save "
+        "tpustream-index.json (beside the shards, else in output_dir); never = error.",
+    )
+    stages: list[str] = setting(
+        factory=list,
+        doc='Extra webdataset stages run on decoded samples, in order: import paths "package.module:function"'
+        ' of callables taking and returning an iterator of {"image": uint8 CHW array, "label": int, ...} '
+        'dicts (docs/data.md: "Your own stages").',
+    )
+    mean: list[float] = setting(
+        factory=lambda: [0.5, 0.5, 0.5],
+        doc="Per-channel statistics of the training images, on the 0..1 scale.",
+    )
+    std: list[float] = setting(
+        factory=lambda: [0.25, 0.25, 0.25],
+        doc="Per-channel standard deviations of the training images, on the 0..1 scale.",
+    )
+    num_workers: Any = setting(
+        2,
+        "DataLoader worker processes per replica (0 = read in the training process), or auto: chosen at "
+        "start from the pipeline's measured rate (launch.workers; docs/watching.md).",
+        resume=OnResume.change,
+    )
+    prefetch_factor: int = setting(
+        4,
+        "Batches each worker prepares ahead. With workers, a loader keeps whole batches in shared memory "
+        "(/dev/shm) for them to write into: prefetch_factor + 3 (training under canonical streams), 2 a "
+        "worker + 3 (validation; data.read.assemble.ring_slots).",
+        resume=OnResume.change,
+    )
+    shuffle_buffer: int = setting(
+        2000,
+        "Encoded samples each reader (a worker, or a replica without workers) holds for shuffling (the "
+        "pipeline's memory bound); 0 = shard order only.",
+    )
+    # A continued run keeps its checkpoint's partition whatever this says now.
+    streams: Any = setting(
+        "auto",
+        "Canonical streams the training order is cut into, fixed when a run starts and kept by its "
+        'checkpoints (docs/progress.md: "Resume on any shape"): a stopped run continues on any number of '
+        "replicas dividing it, with any workers up to its share per replica. auto = a few per reader, "
+        "more where that evens out the workers' shares (docs/input.md); 0 = a per-reader order that "
+        "resumes mid-epoch only on the same shape.",
+        resume=OnResume.change,
+    )
+    last_batch: LastBatch = setting(
+        LastBatch.pad,
+        "Training samples that cannot fill a whole global batch: pad = wrap around to the epoch's first "
+        "samples, which weigh zero in the loss; drop = leave them out of this epoch.",
+    )
+    on_error: OnError = setting(
+        OnError.skip,
+        "A corrupt or incomplete sample or shard: skip = log it (bounded), count it and fill its place, "
+        "so the step count never changes; raise = stop the run naming the shard and sample.",
+    )
+    max_bad_fraction: float = setting(
+        0.01,
+        "Stop the run when more than this fraction of a split's samples were bad or missing in an epoch "
+        "(on_error=skip): padding a broken dataset is not training.",
+    )
+    train_crop: TrainCrop = setting(
+        TrainCrop.pad_crop,
+        "Training crop: pad_crop (images of one size) or random_resized (any size, ImageNet's).",
+    )
+    crop_padding: int = setting(
+        4,
+        "pad_crop: random crop after zero-padding by this many pixels (0 = no crop).",
+    )
+    eval_crop_ratio: float = setting(
+        0.875,
+        "random_resized: evaluation resizes the shorter side to image_size / this (0.875: 256 for 224) "
+        "and takes the centre image_size square.",
+    )
+    hflip: bool = setting(True, "Flip training images left to right with probability 1/2.")
+    # A continued run may decode elsewhere: the same crops either way (pixels within a level, or
+    # the host's DCT scaling); a GPU run continued on a TPU must switch to host.
+    decode: Decode = setting(
+        Decode.host,
+        "random_resized: where JPEGs are decoded. host = in the DataLoader workers; device = on the "
+        "replica's GPU (nvJPEG): the workers only read the bytes and draw the crops, for GPU hosts with "
+        "few vCPUs per GPU (docs/input.md). The native runtime only (accelerator=cuda, cpu_eager); TPUs "
+        "decode on the host.",
+        resume=OnResume.change,
+    )
+    in_memory: bool = setting(
+        False,
+        "Read and decode the whole split once per replica and serve batches from memory (shared with the "
+        "DataLoader workers) instead of streaming shards every epoch: same batches, no storage reads or "
+        "decoding after the first.",
+    )
+    synthetic: bool = setting(
+        False,
+        "Train on one batch of the data's shapes and label range, made once per replica and kept on the "
+        "device: the run's own step (model, optimizer, precision, strategy, device augmentation, EMA) "
+        "with no input pipeline, so its samples/s is the accelerator's rate, the yardstick for a real "
+        "run's. Shapes from the shards' manifest when there are shards, else from num_classes, image_size"
+        ' and channels. No evaluation, no checkpoints; metrics.jsonl is marked "synthetic" '
+        "(docs/watching.md).",
+    )
+    synthetic_steps: int | None = setting(
+        None,
+        "data.synthetic: steps an epoch; null = the training split's steps, or 100 without shards.",
+    )
 
     def check(self) -> None:
         """Each data.* field on its own.
@@ -175,28 +240,46 @@ class DataConfig:
 class AcceleratorConfig:
     """Which device type to run on, through which runtime, and how many replicas per host."""
 
-    device: Device = Device.CPU
-    # Replicas on this host: null = one per device (XLA device, GPU), 1 = a single process.
-    # XLA:CPU has no working cross-process collectives (pytorch/xla#9089), so
-    # CPU allows 1, N with collectives=gloo (the simulated pod), or N virtual
-    # devices in one process with strategy=spmd / spmd_fsdp.
-    num_devices: int | None = None
-    collectives: Collectives = Collectives.xla
-    # xla: torch_xla runs the replicas' tensors; native: PyTorch alone (device=CUDA,
-    # or CPU processes over gloo), without importing torch_xla.
-    runtime: RuntimeKind = RuntimeKind.xla
-    # Run the single replica inside this process instead of a spawned child (debuggers).
-    in_process: bool = False
-    # The native runtime's (accelerator=cuda, cpu_eager). deterministic: cuDNN's
-    # deterministic kernels and no autotuning, so runs and resumes repeat bit
-    # for bit (measured on an H200: 4.1x slower for wrn_seed); false:
-    # cudnn.benchmark, the fastest kernel per shape, last bits may differ.
-    # channels_last: the model's weights and each batch in NHWC (tensor cores'
-    # layout for convolutions). compile: torch.compile the model in place (its
-    # state_dict, so checkpoints, unchanged). docs/gpus.md.
-    deterministic: bool = False
-    channels_last: bool = False
-    compile: bool = False
+    device: Device = setting(
+        Device.CPU, "The device type the replicas run on (set by the accelerator option)."
+    )
+    num_devices: int | None = setting(
+        None,
+        "Replicas on this host: null = one per device (XLA device, GPU), 1 = a single process. XLA:CPU "
+        "has no working cross-process collectives (pytorch/xla#9089), so CPU allows 1, N with "
+        "collectives=gloo (the simulated pod), or N virtual devices in one process with strategy=spmd / "
+        "spmd_fsdp.",
+    )
+    collectives: Collectives = setting(
+        Collectives.xla,
+        "How replicas reduce across processes: xla = torch_xla's, between the XLA devices of an xmp.spawn "
+        "job; gloo = torch.distributed over the host network (CPU processes: the simulated pod, "
+        "cpu_eager); nccl = torch.distributed between GPUs (runtime=native).",
+    )
+    runtime: RuntimeKind = setting(
+        RuntimeKind.xla,
+        "xla: torch_xla runs the replicas' tensors; native: PyTorch alone (device=CUDA, or CPU processes "
+        "over gloo), without importing torch_xla.",
+    )
+    in_process: bool = setting(
+        False,
+        "Run the single replica inside this process instead of a spawned child (debuggers).",
+    )
+    # The native runtime's three (docs/gpus.md).
+    deterministic: bool = setting(
+        False,
+        "Native runtime: cuDNN's deterministic kernels and no autotuning, so runs and resumes repeat bit "
+        "for bit (measured on an H200: 4.1x slower for wrn_seed); false = cudnn.benchmark, the fastest "
+        "kernel per shape, last bits may differ.",
+    )
+    channels_last: bool = setting(
+        False,
+        "Native runtime: the model's weights and each batch in NHWC (tensor cores' layout for convolutions).",
+    )
+    compile: bool = setting(
+        False,
+        "Native runtime: torch.compile the model in place (its state_dict, so checkpoints, unchanged).",
+    )
 
     def check(self) -> None:
         """How many devices, on its own (what the strategy allows is launch.checks.check_config's)."""
@@ -216,25 +299,37 @@ class AcceleratorConfig:
 class CheckpointConfig:
     """When last.pt is written besides every epoch end, how, and where it goes if output_dir fails."""
 
-    # Also write last.pt every this many training steps (0 = epoch ends only).
-    every_n_steps: int = 0
-    # Replicas agree on a stop request (SIGTERM) every this many steps and
-    # evaluation batches: a small host-side collective each time on a pod.
-    stop_check_every: int = 10
-    # Local folder for a checkpoint that could not be written to output_dir
-    # (e.g. GCS unreachable after retries); null = <log_dir>/unsaved.
-    fallback_dir: str | None = None
-    # Training waits only for the state's copy into host memory; the master
-    # serialises, writes and verifies it in the background (one save in flight;
-    # a stop and the run's end wait for it). docs/progress.md.
-    asynchronous: bool = True
-    # The largest host copy (bytes) held while training goes on; a larger state
-    # is saved synchronously, with a warning. null = the memory still available
-    # on the host (MemAvailable), checked until a save has kept host buffers.
-    asynchronous_max_bytes: int | None = None
-    # Local folder (a local SSD) where last.pt is written first, then uploaded
-    # to output_dir; a restart on the same host continues from the newer copy.
-    local_dir: str | None = None
+    every_n_steps: int = setting(
+        0,
+        "Also write last.pt every this many training steps (0 = epoch ends only).",
+    )
+    stop_check_every: int = setting(
+        10,
+        "Replicas agree on a stop request (SIGTERM) every this many steps and evaluation batches: a small"
+        " host-side collective each time on a pod.",
+    )
+    fallback_dir: str | None = setting(
+        None,
+        "Local folder for a checkpoint that could not be written to output_dir (e.g. GCS unreachable "
+        "after retries); null = <log_dir>/unsaved.",
+    )
+    asynchronous: bool = setting(
+        True,
+        "Training waits only for the state's copy into host memory; the master serialises, writes and "
+        "verifies it in the background (one save in flight; a stop and the run's end wait for it). "
+        "docs/progress.md.",
+    )
+    asynchronous_max_bytes: int | None = setting(
+        None,
+        "The largest host copy (bytes) held while training goes on; a larger state is saved "
+        "synchronously, with a warning. null = the memory still available on the host (MemAvailable), "
+        "checked until a save has kept host buffers.",
+    )
+    local_dir: str | None = setting(
+        None,
+        "Local folder (a local SSD) where last.pt is written first, then uploaded to output_dir; a "
+        "restart on the same host continues from the newer copy.",
+    )
 
     def check(self) -> None:
         if self.every_n_steps < 0:
@@ -256,19 +351,24 @@ class CheckpointConfig:
 class WatchdogConfig:
     """Each replica's progress watchdog (tpustream.watchdog; docs/progress.md: "Hangs")."""
 
-    # Seconds without progress (a training or evaluation step finished, a batch
-    # received, checkpoint bytes written) before a replica writes every thread's
-    # stacks to <output_dir>/watchdog/ and the run exits 76, which launchers
-    # retry. auto: 20 x the median training step, at least 300; 0 = off.
-    seconds: Any = "auto"
-    # The allowance instead while the process compiles: until its first steps
-    # have finished, and those after its first evaluation, epoch end and save.
-    first_step_seconds: float = 3600.0
-    # After a stop request (SIGTERM): a replica that makes no progress for this
-    # long (its step cannot finish) writes its stacks and exits 75 without saving;
-    # last.pt keeps the last save. Keep it under the host's notice (about 30 s
-    # on a preempted TPU VM); 0 = wait for the step however long it takes.
-    stop_grace_seconds: float = 20.0
+    seconds: Any = setting(
+        "auto",
+        "Seconds without progress (a training or evaluation step finished, a batch received, checkpoint "
+        "bytes written) before a replica writes every thread's stacks to <output_dir>/watchdog/ and the "
+        "run exits 76, which launchers retry. auto: 20 x the median training step, at least 300; 0 = off.",
+    )
+    first_step_seconds: float = setting(
+        3600.0,
+        "The allowance instead while the process compiles: until its first steps have finished, and those"
+        " after its first evaluation, epoch end and save.",
+    )
+    stop_grace_seconds: float = setting(
+        20.0,
+        "After a stop request (SIGTERM): a replica that makes no progress for this long (its step cannot "
+        "finish) writes its stacks and exits 75 without saving; last.pt keeps the last save. Keep it "
+        "under the host's notice (about 30 s on a preempted TPU VM); 0 = wait for the step however long "
+        "it takes.",
+    )
 
     def check(self) -> None:
         seconds = self.seconds
@@ -290,28 +390,42 @@ class WatchdogConfig:
 class DebugConfig:
     """Checks that cost time; for tests and for chasing a misbehaving pod."""
 
-    # Local folder: each replica writes the ids of the real training samples
-    # it used, per epoch (shard index << 32 | sample index), to audit exactness.
-    sample_log_dir: str | None = None
-    # Every this many steps, check that all replicas hold bit-identical
-    # parameters and stop if not (0 = never; copies the model to the host).
-    check_sync_every: int = 0
-    # Act as if SIGTERM arrived when the run reaches this global step (0 = never):
-    # rehearses a preemption at a known point.
-    stop_at_step: int = 0
-    # Print a compact torch_xla metrics summary each epoch (compilations,
-    # compile time, transfers, CPU fallbacks) and warn when a step recompiles.
-    metrics: bool = False
-    # Start the torch_xla profiler server on this port + local ordinal (0 = off).
-    profiler_port: int = 0
-    # Capture a trace from global step START to END ([START, END], START >= 1: the
-    # END - START steps after the first START) into <output_dir>/tensorboard/: XLA's for
-    # TensorBoard's profile plugin / XProf, or on accelerator.runtime=native torch.profiler's
-    # for Perfetto; [] = off. profile_eval_epoch: the same for the evaluation after that
-    # epoch (-1 = off). Master only unless profile_all_replicas.
-    profile_steps: list[int] = field(default_factory=list)
-    profile_eval_epoch: int = -1
-    profile_all_replicas: bool = False
+    sample_log_dir: str | None = setting(
+        None,
+        "Local folder: each replica writes the ids of the real training samples it used, per epoch (shard"
+        " index << 32 | sample index), to audit exactness.",
+    )
+    check_sync_every: int = setting(
+        0,
+        "Every this many steps, check that all replicas hold bit-identical parameters and stop if not (0 "
+        "= never; copies the model to the host).",
+    )
+    stop_at_step: int = setting(
+        0,
+        "Act as if SIGTERM arrived when the run reaches this global step (0 = never): rehearses a "
+        "preemption at a known point.",
+    )
+    metrics: bool = setting(
+        False,
+        "Print a compact torch_xla metrics summary each epoch (compilations, compile time, transfers, CPU"
+        " fallbacks) and warn when a step recompiles.",
+    )
+    profiler_port: int = setting(
+        0,
+        "Start the torch_xla profiler server on this port + local ordinal (0 = off).",
+    )
+    profile_steps: list[int] = setting(
+        factory=list,
+        doc="Capture a trace from global step START to END ([START, END], START >= 1: the END - START steps "
+        "after the first START) into <output_dir>/tensorboard/: XLA's for TensorBoard's profile plugin / "
+        "XProf, or on accelerator.runtime=native torch.profiler's for Perfetto; [] = off.",
+    )
+    profile_eval_epoch: int = setting(
+        -1, "Trace the evaluation after this epoch as debug.profile_steps traces steps (-1 = off)."
+    )
+    profile_all_replicas: bool = setting(
+        False, "Trace every replica, not only the master (debug.profile_steps, profile_eval_epoch)."
+    )
 
     def check(self) -> None:
         steps = list(self.profile_steps)
@@ -330,61 +444,128 @@ class DebugConfig:
 class TrainConfig:
     """One training run."""
 
-    data: DataConfig = MISSING
-    model: ModelConfig = MISSING
-    optim: OptimConfig = MISSING
-    accelerator: AcceleratorConfig = MISSING
-    # Per replica and optimizer step; the global batch is batch_size x replicas.
-    batch_size: int = 64
-    # Split each replica's batch into this many micro-batches whose gradients
-    # are summed before one optimizer step (less activation memory, same
-    # update up to float rounding, except that BatchNorm normalises per micro-batch).
-    micro_batches: int = 1
-    precision: Precision = Precision.fp32
-    strategy: Strategy = Strategy.ddp
-    # strategy=spmd_fsdp, and fsdp (FSDP2) on the native runtime: every submodule
-    # holding at least this many parameters not yet wrapped becomes its own FSDP
-    # unit, gathered whole only while it runs (ZeRO-3), so a device never holds
-    # all the weights at once; 0 = one unit.
-    fsdp_wrap_min_params: int = 1_000_000
-    epochs: int = 10
-    seed: int = 0
-    # Log a training line every this many steps (a host sync only on those steps).
-    log_steps: int = 20
-    # The run folder, a local path or gs://bucket/prefix: checkpoints/best.pt and
-    # checkpoints/last.pt, config.yaml, metrics.jsonl.
-    output_dir: str = MISSING
-    # Local folder for per-replica log files (Hydra's run folder by default).
-    log_dir: str | None = None
-    # null: start fresh (refused if output_dir holds a run); "overwrite": delete
-    # the run in output_dir and start fresh; "auto": continue from output_dir's
-    # checkpoints/last.pt if it is there (or best.pt if last.pt is damaged),
-    # refusing if that run's config differs (the error names the keys); "force":
-    # the same, accepting the difference; otherwise a checkpoint path or gs://
-    # URL to start from (e.g. to fine-tune), until output_dir has a last.pt of its own.
-    resume: str | None = "auto"
-    # Evaluate every this many epochs and after the last one (0 = never: no
-    # best.pt, last.pt only).
-    eval_every: int = 1
-    # Stop after this many evaluations without a better validation accuracy (0 = never).
-    early_stop_patience: int = 0
-    # Stop with an error when an epoch's loss is NaN or infinite (checkpoints keep the last finite epoch).
-    stop_on_nonfinite_loss: bool = True
-    # Persistent XLA compilation cache, a local folder (one subfolder per
-    # replica process), so a rerun of the same config skips compiling.
-    # auto: ~/.cache/tpustream/xla on TPU, off on CPU (torch_xla 2.9's CPU
-    # client writes entries it cannot load); null: off.
-    xla_cache_dir: str | None = "auto"
-    # TensorBoard scalars under <output_dir>/tensorboard (gs://: written
-    # locally, uploaded each epoch).
-    tensorboard: bool = True
-    # Only evaluate the checkpoint that resume names (or finds) and report.
-    eval_only: bool = False
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    ema: EmaConfig = field(default_factory=EmaConfig)
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
-    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    # The four sections conf/config.yaml's groups choose (data=, model=, optim=, accelerator=).
+    # A synthetic run's step takes only the data's shapes, not how it is read.
+    data: DataConfig = setting(MISSING, step=False)
+    model: ModelConfig = setting(MISSING)
+    optim: OptimConfig = setting(MISSING)
+    # Where and on what a run goes on does not change what it trains.
+    accelerator: AcceleratorConfig = setting(MISSING, resume=OnResume.change)
+    batch_size: int = setting(
+        64,
+        "Per replica and optimizer step; the global batch is batch_size x replicas.",
+        resume=OnResume.reshape,
+    )
+    micro_batches: int = setting(
+        1,
+        "Split each replica's batch into this many micro-batches whose gradients are summed before one "
+        "optimizer step (less activation memory, same update up to float rounding, except that BatchNorm "
+        "normalises per micro-batch).",
+    )
+    precision: Precision = setting(
+        Precision.fp32,
+        "bf16: convolutions and matmuls in bfloat16 under torch.autocast; weights, optimizer state, loss "
+        "and metrics stay float32.",
+    )
+    strategy: Strategy = setting(
+        Strategy.ddp,
+        "How replicas share the work: ddp = data parallel, one process per device; spmd = one process "
+        "over a mesh of XLA devices, replicated; spmd_fsdp = the same, parameters and optimizer state "
+        "sharded (FSDPv2); fsdp = PyTorch's FSDP2, native runtime only (docs/large-models.md).",
+        resume=OnResume.change,
+    )
+    fsdp_wrap_min_params: int = setting(
+        1_000_000,
+        "strategy=spmd_fsdp, and fsdp (FSDP2) on the native runtime: every submodule holding at least "
+        "this many parameters not yet wrapped becomes its own FSDP unit, gathered whole only while it "
+        "runs (ZeRO-3), so a device never holds all the weights at once; 0 = one unit.",
+        resume=OnResume.change,
+    )
+    epochs: int = setting(
+        10,
+        "Epochs to train. A continued run may change it (optim.on_epochs_change decides what the schedule "
+        "does).",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    seed: int = setting(
+        0, "Seeds the weights' initialisation, the data order and the augmentation draws.", step=False
+    )
+    log_steps: int = setting(
+        20,
+        "Log a training line every this many steps (a host sync only on those steps).",
+        resume=OnResume.change,
+        step=False,
+    )
+    output_dir: str = setting(
+        MISSING,
+        "The run folder, a local path or gs://bucket/prefix: checkpoints/best.pt and checkpoints/last.pt,"
+        " config.yaml, metrics.jsonl.",
+        resume=OnResume.ignore,
+        step=False,
+        path=True,
+        per_run=True,
+    )
+    log_dir: str | None = setting(
+        None,
+        "Local folder for per-replica log files (Hydra's run folder by default).",
+        resume=OnResume.ignore,
+        step=False,
+        path=True,
+        per_run=True,
+    )
+    resume: str | None = setting(
+        "auto",
+        'null: start fresh (refused if output_dir holds a run); "overwrite": delete the run in output_dir'
+        ' and start fresh; "auto": continue from output_dir\'s checkpoints/last.pt if it is there (or '
+        "best.pt if last.pt is damaged), refusing if that run's config differs (the error names the "
+        'keys); "force": the same, accepting the difference; otherwise a checkpoint path or gs:// URL to '
+        "start from (e.g. to fine-tune), until output_dir has a last.pt of its own.",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    eval_every: int = setting(
+        1,
+        "Evaluate every this many epochs and after the last one (0 = never: no best.pt, last.pt only).",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    early_stop_patience: int = setting(
+        0,
+        "Stop after this many evaluations without a better validation accuracy (0 = never).",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    stop_on_nonfinite_loss: bool = setting(
+        True,
+        "Stop with an error when an epoch's loss is NaN or infinite (checkpoints keep the last finite "
+        "epoch).",
+    )
+    xla_cache_dir: str | None = setting(
+        "auto",
+        "Persistent XLA compilation cache, a local folder (one subfolder per replica process), so a rerun"
+        " of the same config skips compiling. auto: ~/.cache/tpustream/xla on TPU, off on CPU (torch_xla "
+        "2.9's CPU client writes entries it cannot load); null: off.",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    tensorboard: bool = setting(
+        True,
+        "TensorBoard scalars under <output_dir>/tensorboard (gs://: written locally, uploaded each epoch).",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    eval_only: bool = setting(
+        False,
+        "Only evaluate the checkpoint that resume names (or finds) and report.",
+        resume=OnResume.ignore,
+        step=False,
+    )
+    checkpoint: CheckpointConfig = setting(factory=CheckpointConfig, resume=OnResume.change, step=False)
+    ema: EmaConfig = setting(factory=EmaConfig)
+    augment: AugmentConfig = setting(factory=AugmentConfig)
+    debug: DebugConfig = setting(factory=DebugConfig, resume=OnResume.ignore, step=False)
+    watchdog: WatchdogConfig = setting(factory=WatchdogConfig, resume=OnResume.ignore, step=False)
 
     def check(self) -> None:
         """Every section's own fields, then the top-level keys.

@@ -29,6 +29,7 @@ from tpustream.config import (
     TrainConfig,
     TrainCrop,
 )
+from tpustream.config.keys import facts_of, keys_where
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.checks import check_data_config
 from tpustream.data.read.plan import plan_layout
@@ -38,10 +39,6 @@ from tpustream.models import check_model_builds, check_model_config
 
 log = logging.getLogger(__name__)
 
-# The upstream bug that makes multi-device XLA:CPU unusable for training.
-# Free-form mappings inside the typed config: their keys are not the schema's.
-FREE_FORM_KEYS = ("model.options",)
-
 
 def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
     """Resolve interpolations (Hydra's resolvers exist only in this process) and make paths absolute."""
@@ -50,7 +47,7 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
         check_known_keys(cfg, TrainConfig)
     except OmegaConfBaseException as exc:
         raise ConfigError(describe_config_error(exc)) from None
-    for key in ("data.root", "data.train_shards", "data.val_shards", "output_dir", "log_dir"):
+    for key in keys_where(path=True):
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and value:
             OmegaConf.update(cfg, key, storage.absolute(value))
@@ -115,7 +112,7 @@ def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
         if key not in fields:
             close = ", ".join(sorted(f for f in fields if f[:2] == str(key)[:2])) or ", ".join(sorted(fields))
             raise ConfigError(f"unknown config key {name} (known here: {close})")
-        if name in FREE_FORM_KEYS:
+        if facts_of(name).free_form:
             continue
         value = cfg._get_node(key)
         if dataclasses.is_dataclass(fields[key]) and OmegaConf.is_dict(value):

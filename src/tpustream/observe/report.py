@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpustream import storage
+from tpustream.config.keys import facts_of, flatten
 from tpustream.observe.advice import SavingSettings, advise, advise_runs, mean_of, measured, process_epochs
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
@@ -25,20 +26,10 @@ from tpustream.observe.synthetic import describe_synthetic, is_synthetic, synthe
 __all__ = ["Run", "find_runs", "main", "report"]
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def differing(runs: Sequence[Run]) -> list[str]:
     """Config keys whose values differ between runs (the run's own folders aside: they always do)."""
     flats = [flatten(run.config) for run in runs]
-    keys = sorted(set().union(*flats) - {"output_dir", "log_dir"})
+    keys = sorted(key for key in set().union(*flats) if not facts_of(key).per_run)
     return [key for key in keys if len({repr(flat.get(key)) for flat in flats}) > 1]
 
 

@@ -10,29 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from tpustream.config.keys import facts_of, flatten
 from tpustream.observe.advice import mean_of, measured
-
-# Config keys a synthetic run's rate does not depend on: where the data comes from and
-# how it is read (data.*: its shapes are the data's), where the run writes, how long it
-# runs, whether it evaluates and what it logs. Everything else (model, optimizer,
-# precision, strategy, batch, accelerator, augmentation, EMA) makes the step it measures.
-NOT_THE_STEP = (
-    "data",
-    "output_dir",
-    "log_dir",
-    "epochs",
-    "eval_every",
-    "early_stop_patience",
-    "resume",
-    "eval_only",
-    "checkpoint",
-    "log_steps",
-    "tensorboard",
-    "debug",
-    "watchdog",
-    "xla_cache_dir",
-    "seed",
-)
 
 
 def is_synthetic(records: Iterable[Mapping[str, Any]]) -> bool:
@@ -68,18 +47,14 @@ def steady_rate(records: Sequence[Mapping[str, Any]]) -> float | None:
 
 
 def the_step(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config's keys that make the training step a synthetic run measures (flattened)."""
+    """The config's keys that make the training step a synthetic run measures (flattened).
 
-    def flat(section: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in section.items():
-            name = f"{prefix}{key}"
-            if name.split(".", 1)[0] in NOT_THE_STEP:
-                continue
-            out.update(flat(value, f"{name}.") if isinstance(value, Mapping) else {name: value})
-        return out
-
-    return flat(config, "")
+    Model, optimizer, precision, strategy, batch, accelerator, augmentation and
+    EMA do; where the data comes from and how it is read (its shapes are the
+    data's), where the run writes, how long it runs and what it logs do not
+    (each key's ``step`` fact, config.keys).
+    """
+    return {name: value for name, value in flatten(config).items() if facts_of(name).step}
 
 
 def synthetic_twin_rate(
