@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from tpustream.config import (
-    Device,
+    PLATFORMS,
+    Accelerator,
     LastBatch,
     OnError,
     OptimizerName,
@@ -25,11 +26,11 @@ from tpustream.launch.checks import DEFAULT_XLA_CACHE
 
 def test_default_config_is_digits_small_cnn_sgd_cpu(compose_config):
     cfg = compose_config()
-    assert (cfg.data.root, cfg.model.name, cfg.optim.name, cfg.accelerator.device) == (
+    assert (cfg.data.root, cfg.model.name, cfg.optim.name, cfg.accelerator.name) == (
         "data/digits",
         "small_cnn",
         OptimizerName.sgd,
-        Device.CPU,
+        Accelerator.cpu,
     )
     assert cfg.data.train_shards.endswith("data/digits/train")
 
@@ -100,7 +101,7 @@ def offered_options(error: Exception) -> list[str]:
 @pytest.mark.parametrize("group", SCHEMA_GROUPS)
 def test_a_schema_is_neither_offered_nor_accepted_as_an_option(compose_config, group):
     """accelerator=foo lists conf/accelerator's files only; accelerator=accelerator_schema is refused
-    (it used to compose a run on the schema's defaults)."""
+    (it would compose a run on the schema's bare defaults)."""
     with pytest.raises(MissingConfigException) as unknown:
         compose_config(f"{group}=foo")
     assert offered_options(unknown.value) == sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
@@ -150,6 +151,19 @@ def test_every_yaml_in_conf_documents_itself():
     for path in sorted((REPO / "conf").rglob("*.yaml")):
         assert path.read_text().startswith("#"), f"{path} should open with a comment saying what it is"
         OmegaConf.load(path)
+
+
+def test_an_accelerators_name_decides_its_device_runtime_and_collectives(compose_config):
+    """One option file per accelerator, and nothing in it restates what the name decides."""
+    options = {path.stem for path in (REPO / "conf" / "accelerator").glob("*.yaml")}
+    assert options == {member.value for member in Accelerator}
+    for member in Accelerator:
+        typed, plain = resolve_config(compose_config(f"accelerator={member.value}"))
+        platform = PLATFORMS[member]
+        acc = typed.accelerator
+        assert (acc.device, acc.runtime, acc.collectives) == platform
+        assert plain["accelerator"]["name"] == member.value
+        assert not {"device", "runtime", "collectives"} & set(plain["accelerator"])
 
 
 def test_the_defaults_list_comments_name_every_option_of_their_group():

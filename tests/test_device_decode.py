@@ -264,7 +264,7 @@ def test_device_decoding_refuses_what_it_cannot_do(fields, message):
 
 def test_xla_devices_keep_the_host_path(compose_config):
     from tpustream.launch import resolve_config
-    from tpustream.launch.runtime_checks import check_runtime_and_strategy
+    from tpustream.launch.checks import check_runtime_and_strategy
 
     typed, _ = resolve_config(compose_config("data=imagenet", "data.decode=device"))
     with pytest.raises(ConfigError, match="native runtime"):

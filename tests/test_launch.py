@@ -136,17 +136,13 @@ TRIVIAL = ("augment.trivialaugment=true",)
         (["+optim.lrr=0.1"], r"unknown config key optim.lrr \(known here: lr\)"),
         (["accelerator=tpu"], "accelerator=tpu, but this machine has no TPU chips"),
         (["accelerator=cuda"], r"accelerator=cuda, but PyTorch sees no GPU here"),
-        (["accelerator.device=CUDA"], "accelerator.device=CUDA runs native PyTorch"),
+        (["accelerator=cpu_pod", "accelerator.num_devices=null"], "simulated pod .* needs accelerator.num"),
+        (["accelerator=cpu_pod", "strategy=spmd"], "the simulated pod .* runs strategy=ddp only"),
         (["accelerator=cpu_eager", "strategy=spmd"], "strategy=spmd is torch_xla's GSPMD"),
         (["accelerator=cpu_eager", "strategy=fsdp", "accelerator.channels_last=true"], "FSDP2 .* contiguous"),
         (["accelerator=cpu_eager", "strategy=fsdp", "optim=lamb"], "optim=lamb takes a norm of every whole"),
         (["accelerator=cpu_eager", "accelerator.num_devices=2", "strategy=fsdp"], None),
         (["accelerator=cpu_eager", "debug.metrics=true"], "debug.metrics reads torch_xla's"),
-        (
-            ["accelerator=cpu_eager", "accelerator.collectives=nccl"],
-            "native PyTorch on CPU reduces over gloo",
-        ),
-        (["accelerator=cpu_eager", "accelerator.device=TPU"], "TPUs run through torch_xla"),
         (["data.num_workers=two"], r"data.num_workers must be a whole number >= 0 or auto, got 'two'"),
         (["output_dir=/dev/null/run"], r"output_dir: /dev/null/run: cannot write here"),
     ],
@@ -269,7 +265,9 @@ def test_an_xla_run_without_torch_xla_installed_is_one_line_naming_the_extra(pre
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ConfigError, match=r"needs torch_xla, which is not installed: pip install"):
         prepared("accelerator=cpu")
-    assert prepared("accelerator=cpu_eager").cfg.accelerator.runtime.value == "native"  # needs no torch_xla
+    from tpustream.config import RuntimeKind
+
+    assert prepared("accelerator=cpu_eager").cfg.accelerator.runtime == RuntimeKind.native  # no torch_xla
 
 
 def test_output_dir_in_a_missing_bucket_fails_before_training(prepared, gcs_emulator):

@@ -213,8 +213,10 @@ ACCELERATORS = ("cpu", "tpu", "cpu_pod", "cpu_eager", "cuda")
 
 
 def _device_and_runtime(cfg: Any) -> tuple[str, str]:
-    acc = cfg.accelerator
-    return str(acc.device).split(".")[-1], str(acc.get("runtime", "xla")).split(".")[-1]
+    from tpustream.config import PLATFORMS, Accelerator
+
+    platform = PLATFORMS[Accelerator(cfg.accelerator.name)]
+    return platform.device.value, platform.runtime.value
 
 
 def default_name(cfg: Any) -> str:

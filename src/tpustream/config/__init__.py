@@ -22,7 +22,9 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from tpustream.config.choices import (
+    PLATFORMS,
     SPMD_STRATEGIES,
+    Accelerator,
     BestOf,
     Collectives,
     Decode,
@@ -36,6 +38,7 @@ from tpustream.config.choices import (
     ModelLibrary,
     OnError,
     OptimizerName,
+    Platform,
     Precision,
     RuntimeKind,
     Schedule,
@@ -54,7 +57,9 @@ from tpustream.config.schema import (
 )
 
 __all__ = [
+    "PLATFORMS",
     "SPMD_STRATEGIES",
+    "Accelerator",
     "AcceleratorConfig",
     "AugmentConfig",
     "BestOf",
@@ -76,6 +81,7 @@ __all__ = [
     "OnError",
     "OptimConfig",
     "OptimizerName",
+    "Platform",
     "Precision",
     "RuntimeKind",
     "Schedule",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import NamedTuple
 
 
 class LastBatch(str, Enum):
@@ -51,7 +52,7 @@ class IndexMode(str, Enum):
 class Device(str, Enum):
     CPU = "CPU"
     TPU = "TPU"
-    CUDA = "CUDA"  # NVIDIA GPUs, with accelerator.runtime=native only
+    CUDA = "CUDA"  # NVIDIA GPUs, on the native runtime only (accelerator=cuda)
 
 
 class RuntimeKind(str, Enum):
@@ -67,6 +68,34 @@ class Collectives(str, Enum):
     # XLA CPU device) or CPU replicas of runtime=native.
     gloo = "gloo"
     nccl = "nccl"  # torch.distributed over NCCL between GPUs (runtime=native, device=CUDA)
+
+
+class Accelerator(str, Enum):
+    """What runs a job: the accelerator group's options (conf/accelerator/), each one platform."""
+
+    cpu = "cpu"  # one XLA CPU device (N virtual ones as a GSPMD mesh)
+    tpu = "tpu"  # every TPU core of the host through torch_xla
+    cpu_pod = "cpu_pod"  # a pod simulated on one machine: XLA CPU processes reducing over gloo
+    cuda = "cuda"  # every GPU of the host in PyTorch itself, over NCCL
+    cpu_eager = "cpu_eager"  # CPU processes in PyTorch itself (no XLA), over gloo
+
+
+class Platform(NamedTuple):
+    """The device type, runtime and collectives an accelerator implies."""
+
+    device: Device
+    runtime: RuntimeKind
+    collectives: Collectives
+
+
+# Adding an accelerator: an Accelerator member, its row here, and conf/accelerator/<name>.yaml.
+PLATFORMS = {
+    Accelerator.cpu: Platform(Device.CPU, RuntimeKind.xla, Collectives.xla),
+    Accelerator.tpu: Platform(Device.TPU, RuntimeKind.xla, Collectives.xla),
+    Accelerator.cpu_pod: Platform(Device.CPU, RuntimeKind.xla, Collectives.gloo),
+    Accelerator.cuda: Platform(Device.CUDA, RuntimeKind.native, Collectives.nccl),
+    Accelerator.cpu_eager: Platform(Device.CPU, RuntimeKind.native, Collectives.gloo),
+}
 
 
 class Precision(str, Enum):

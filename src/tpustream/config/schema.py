@@ -4,8 +4,9 @@ The YAML files in conf/ fill these dataclasses; Hydra checks every key and
 type against them when it composes the config, so a typo such as
 ``optim.lrr=0.1`` or ``epochs=ten`` fails before any process is spawned.
 Each field is a ``setting``: its default, what it does (docs/configuration.md's
-line for it) and its facts (config.facts). The recipe's sections (model, optim, ema) are in ``recipe``. Checks across
-sections, the data and the machine are launch.checks'.
+line for it) and its facts (config.facts). The recipe's sections (model,
+optim, ema) are in ``recipe``. Checks across sections, the data and the
+machine are launch.checks'.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 from omegaconf import MISSING
 
 from tpustream.config.choices import (
+    PLATFORMS,
+    Accelerator,
     Collectives,
     Decode,
     Device,
@@ -238,28 +241,32 @@ class DataConfig:
 
 @dataclass
 class AcceleratorConfig:
-    """Which device type to run on, through which runtime, and how many replicas per host."""
+    """What runs the job (its name decides device type, runtime and collectives), with how many replicas."""
 
-    device: Device = setting(
-        Device.CPU, "The device type the replicas run on (set by the accelerator option)."
+    @property
+    def device(self) -> Device:
+        return PLATFORMS[Accelerator(self.name)].device
+
+    @property
+    def runtime(self) -> RuntimeKind:
+        return PLATFORMS[Accelerator(self.name)].runtime
+
+    @property
+    def collectives(self) -> Collectives:
+        return PLATFORMS[Accelerator(self.name)].collectives
+
+    name: Accelerator = setting(
+        Accelerator.cpu,
+        "The accelerator option's name (accelerator=cpu, tpu, cpu_pod, cuda, cpu_eager): it decides the "
+        "device type, the runtime (torch_xla, or PyTorch itself) and how replicas reduce "
+        "(config.choices.PLATFORMS).",
     )
     num_devices: int | None = setting(
         None,
         "Replicas on this host: null = one per device (XLA device, GPU), 1 = a single process. XLA:CPU "
         "has no working cross-process collectives (pytorch/xla#9089), so CPU allows 1, N with "
-        "collectives=gloo (the simulated pod), or N virtual devices in one process with strategy=spmd / "
-        "spmd_fsdp.",
-    )
-    collectives: Collectives = setting(
-        Collectives.xla,
-        "How replicas reduce across processes: xla = torch_xla's, between the XLA devices of an xmp.spawn "
-        "job; gloo = torch.distributed over the host network (CPU processes: the simulated pod, "
-        "cpu_eager); nccl = torch.distributed between GPUs (runtime=native).",
-    )
-    runtime: RuntimeKind = setting(
-        RuntimeKind.xla,
-        "xla: torch_xla runs the replicas' tensors; native: PyTorch alone (device=CUDA, or CPU processes "
-        "over gloo), without importing torch_xla.",
+        "accelerator=cpu_pod (the simulated pod, over gloo) or cpu_eager, or N virtual devices in one "
+        "process with strategy=spmd / spmd_fsdp.",
     )
     in_process: bool = setting(
         False,
@@ -418,7 +425,7 @@ class DebugConfig:
         factory=list,
         doc="Capture a trace from global step START to END ([START, END], START >= 1: the END - START steps "
         "after the first START) into <output_dir>/tensorboard/: XLA's for TensorBoard's profile plugin / "
-        "XProf, or on accelerator.runtime=native torch.profiler's for Perfetto; [] = off.",
+        "XProf, or on the native runtime (accelerator=cuda, cpu_eager) torch.profiler's for Perfetto; [] = off.",
     )
     profile_eval_epoch: int = setting(
         -1, "Trace the evaluation after this epoch as debug.profile_steps traces steps (-1 = off)."

@@ -21,11 +21,16 @@ from omegaconf.errors import OmegaConfBaseException
 from tpustream import storage
 from tpustream.augment.policies import build_policy
 from tpustream.config import (
+    PLATFORMS,
     SPMD_STRATEGIES,
+    Accelerator,
     Collectives,
+    Decode,
     Device,
     ModelLibrary,
+    OptimizerName,
     RuntimeKind,
+    Strategy,
     TrainConfig,
     TrainCrop,
 )
@@ -34,7 +39,6 @@ from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.checks import check_data_config
 from tpustream.data.read.plan import plan_layout
 from tpustream.errors import ConfigError, StorageError
-from tpustream.launch.runtime_checks import check_runtime_and_strategy
 from tpustream.models import check_model_builds, check_model_config
 
 log = logging.getLogger(__name__)
@@ -55,8 +59,9 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
             OmegaConf.update(
                 cfg, key, [storage.absolute(v) if isinstance(v, str) else v for v in value], merge=False
             )
-    native = cfg.accelerator.runtime == RuntimeKind.native
-    cfg.xla_cache_dir = None if native else resolve_xla_cache_dir(cfg.xla_cache_dir, cfg.accelerator.device)
+    platform = PLATFORMS[Accelerator(cfg.accelerator.name)]
+    native = platform.runtime == RuntimeKind.native
+    cfg.xla_cache_dir = None if native else resolve_xla_cache_dir(cfg.xla_cache_dir, platform.device)
     try:
         typed: TrainConfig = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -161,7 +166,7 @@ def check_accelerator_present(cfg: TrainConfig) -> None:
     """accelerator=tpu or cuda on a machine without the device: say so now, not from N failed replicas."""
     if cfg.accelerator.runtime == RuntimeKind.xla and importlib.util.find_spec("torch_xla") is None:
         raise ConfigError(
-            f"accelerator.runtime=xla (device {cfg.accelerator.device.value}) needs torch_xla, which is "
+            f"accelerator={cfg.accelerator.name.value} needs torch_xla, which is "
             "not installed: pip install 'tpustream[xla]' ('tpustream[tpu]' on a TPU VM), or run "
             "accelerator=cuda or cpu_eager (native PyTorch)"
         )
@@ -212,6 +217,117 @@ def check_config(cfg: TrainConfig) -> None:
     check_model_config(cfg.model)
     build_policy(cfg.augment)  # a RandAugment string timm would not read: one line naming its section
     check_runtime_and_strategy(cfg)
+
+
+# The upstream bug that makes multi-device XLA:CPU unusable for training.
+CPU_COLLECTIVES_BUG = "https://github.com/pytorch/xla/issues/9089"
+
+
+def check_runtime_and_strategy(cfg: TrainConfig) -> None:
+    """What the accelerator's runtime (torch_xla, or PyTorch itself) and the strategy allow together.
+
+    The accelerator's name decides its device type, runtime and collectives
+    (config.choices.PLATFORMS), so only what a user can still choose is
+    checked here: replicas, strategy, decoding and debugging against them.
+    """
+    if cfg.accelerator.runtime == RuntimeKind.native:
+        _check_native(cfg)
+    else:
+        _check_xla_accelerator(cfg)
+        if cfg.data.decode == Decode.device and not cfg.data.synthetic:
+            # An XLA device has no JPEG decoder; a TPU host decodes in its workers.
+            raise ConfigError(
+                "data.decode=device decodes JPEGs with nvJPEG on the native runtime (accelerator=cuda, "
+                "or cpu_eager to try it on the CPU); on TPUs and XLA devices use data.decode=host"
+            )
+    if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
+        raise ConfigError(
+            f"debug.check_sync_every compares the replicas' copies of the model; strategy="
+            f"{cfg.strategy.value} runs one program with one model"
+        )
+    if cfg.strategy == Strategy.fsdp:
+        _check_fsdp2(cfg)
+
+
+def _check_fsdp2(cfg: TrainConfig) -> None:
+    """strategy=fsdp: PyTorch's FSDP2, on the native runtime, and what it cannot shard."""
+    if cfg.accelerator.runtime != RuntimeKind.native:
+        # torch_xla's first FSDP (one process per core) was tested on one replica only;
+        # FSDPv2 (spmd_fsdp) is torch_xla's way to shard a model over a host's cores.
+        raise ConfigError(
+            "strategy=fsdp is PyTorch's FSDP2, on the native runtime (accelerator=cuda, cpu_eager); "
+            "on TPUs and XLA devices shard parameters, gradients and optimizer state with "
+            "strategy=spmd_fsdp (FSDPv2, one process per host: docs/large-models.md)"
+        )
+    if cfg.debug.check_sync_every:
+        raise ConfigError(
+            "debug.check_sync_every compares whole-model replicas; under strategy=fsdp every "
+            "replica holds a different shard"
+        )
+    if cfg.accelerator.channels_last:
+        raise ConfigError(
+            "accelerator.channels_last=true: FSDP2 (strategy=fsdp on the native runtime) shards "
+            "contiguous parameters only (torch 2.9); set it false, or use strategy=ddp"
+        )
+    if cfg.optim.name in (OptimizerName.lars, OptimizerName.lamb):
+        raise ConfigError(
+            f"optim={cfg.optim.name.value} takes a norm of every whole parameter; under strategy=fsdp "
+            "on the native runtime (FSDP2) it would see shards: use strategy=ddp, or optim=sgd/adamw"
+        )
+
+
+def _check_xla_accelerator(cfg: TrainConfig) -> None:
+    """What xmp.spawn, the simulated pod and the GSPMD mesh each allow."""
+    acc = cfg.accelerator
+    if acc.collectives == Collectives.gloo:  # accelerator=cpu_pod
+        if acc.num_devices is None:
+            raise ConfigError("the simulated pod (accelerator=cpu_pod) needs accelerator.num_devices >= 1")
+        if cfg.strategy in SPMD_STRATEGIES:
+            raise ConfigError(
+                f"strategy={cfg.strategy.value} runs one process over a device mesh; the simulated pod "
+                "(accelerator=cpu_pod) runs strategy=ddp only: use accelerator=cpu "
+                "accelerator.num_devices=N for N virtual XLA CPU devices"
+            )
+    elif cfg.strategy in SPMD_STRATEGIES:
+        if acc.device == Device.CPU and acc.num_devices is None:
+            raise ConfigError(
+                f"strategy={cfg.strategy.value} on CPU needs accelerator.num_devices >= 1 "
+                "(the virtual XLA CPU devices of the mesh)"
+            )
+        if acc.device == Device.TPU and acc.num_devices is not None:
+            raise ConfigError(
+                f"accelerator.num_devices={acc.num_devices}: strategy={cfg.strategy.value} drives every "
+                "device of the host (null); limit devices with TPU_VISIBLE_CHIPS instead"
+            )
+    elif acc.device == Device.CPU and acc.num_devices not in (None, 1):
+        raise ConfigError(
+            f"accelerator.num_devices={acc.num_devices} on CPU with strategy={cfg.strategy.value}: XLA:CPU "
+            f"collectives deadlock across processes ({CPU_COLLECTIVES_BUG}); use 1, strategy=spmd or "
+            "spmd_fsdp (N devices in one process), or accelerator=cpu_pod to simulate replicas over gloo"
+        )
+    if acc.device == Device.TPU and acc.num_devices not in (None, 1):
+        raise ConfigError(
+            f"accelerator.num_devices={acc.num_devices}: xmp.spawn runs either every device "
+            "of the host (null) or one (1); limit devices with TPU_VISIBLE_CHIPS instead"
+        )
+
+
+def _check_native(cfg: TrainConfig) -> None:
+    """The native runtime (accelerator=cuda, cpu_eager): PyTorch's own devices and torch.distributed."""
+    name = cfg.accelerator.name.value
+    if cfg.strategy in SPMD_STRATEGIES:
+        raise ConfigError(
+            f"strategy={cfg.strategy.value} is torch_xla's GSPMD (accelerator=tpu, or cpu for a mesh of "
+            f"virtual devices); accelerator={name} runs strategy=ddp or fsdp (PyTorch's FSDP2)"
+        )
+    debug = cfg.debug
+    for key, on in (("debug.metrics", debug.metrics), ("debug.profiler_port", debug.profiler_port)):
+        # debug.profile_steps and profile_eval_epoch trace with torch.profiler here.
+        if on:
+            raise ConfigError(
+                f"{key} reads torch_xla's metrics and profiler server; not with accelerator={name} "
+                "(PyTorch without torch_xla)"
+            )
 
 
 def replica_batch_size(cfg: TrainConfig, devices_per_replica: int) -> int:
@@ -342,7 +458,7 @@ def local_gpus() -> int:
 
 
 def native_processes(cfg: TrainConfig) -> int:
-    """Replica processes on this machine under accelerator.runtime=native (null on CUDA: every GPU)."""
+    """Replica processes on this machine on the native runtime (num_devices null on CUDA: every GPU)."""
     acc = cfg.accelerator
     if acc.num_devices is not None:
         return acc.num_devices
