@@ -23,7 +23,7 @@ def steps(debug: DebugChecks, model: torch.nn.Module, first: int, last: int) -> 
 def test_a_trace_window_the_run_ends_inside_is_written_with_the_steps_it_had(tmp_path, caplog):
     model = torch.nn.Linear(2, 2)
     debug = DebugChecks(DebugConfig(profile_steps=[2, 10]), FakeRuntime(FakeWorld(1), 0), str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         steps(debug, model, 1, 4)
         assert not list(tmp_path.rglob("*.pt.trace.json.gz"))  # still capturing
         debug.finish(4)
@@ -36,7 +36,7 @@ def test_a_trace_window_the_run_ends_inside_is_written_with_the_steps_it_had(tmp
 def test_a_window_the_run_passes_is_written_at_its_end_and_finish_changes_nothing(tmp_path, caplog):
     model = torch.nn.Linear(2, 2)
     debug = DebugChecks(DebugConfig(profile_steps=[1, 3]), FakeRuntime(FakeWorld(1), 0), str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         steps(debug, model, 1, 5)
         debug.finish(5)
     assert "torch trace of global steps 2 to 3 in " in caplog.text

@@ -65,7 +65,7 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
 
     log = first.stderr
     assert re.search(
-        r"\[replica 0/1\] INFO tpustream.training: Training Device=xla:0/1 Epoch=0 Step=0 Loss=\d", log
+        r"\[replica 0/1\] INFO tpustream\.[\w.]+: Training Device=xla:0/1 Epoch=0 Step=0 Loss=\d", log
     )
     assert "Rate=" in log and "GlobalRate=" in log
     assert "best validation accuracy" in first.stdout

@@ -75,17 +75,14 @@ def test_ema_fields_are_checked(changes, message):
         EmaConfig(**changes).check()
 
 
-def test_the_trainer_evaluates_both_and_checkpoints_the_average(fake_job, tmp_path, caplog):
+def test_the_trainer_evaluates_both_and_checkpoints_the_average(fake_job, tmp_path):
     run = str(tmp_path / "run")
-    cfg = tiny_config(run, **{"ema.decay": 0.9})
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
-        job = fake_job(cfg, world_size=2)
+    job = fake_job(tiny_config(run, **{"ema.decay": 0.9}), world_size=2)
     assert all(isinstance(r, dict) for r in job.results), job.results
     records = read_metrics(run)
     for record in records:
         assert {"ema_val_accuracy", "ema_val_correct", "ema_val_top5", "ema_val_loss"} <= set(record)
         assert record["ema_val_accuracy"] == record["ema_val_correct"] / record["val_samples"]
-    assert " ema: accuracy=" in caplog.text
     last = load_checkpoint(checkpoint_url(run, LAST))
     assert last["ema"].keys() == last["model"].keys()
     assert any(not torch.equal(last["ema"][k], last["model"][k]) for k in last["model"])
@@ -135,7 +132,7 @@ def test_turning_ema_on_for_a_run_without_one_starts_from_its_weights(fake_job, 
     fake_job(tiny_config(run, epochs=1))
     state = load_checkpoint(checkpoint_url(run, LAST))
     assert "ema" not in state  # the format of runs without a weight average is unchanged
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         fake_job(tiny_config(run, epochs=2, **{"ema.decay": 0.9}), resume_from=(state, "last.pt"))
     assert "last.pt holds no weight average: ema starts from its weights" in caplog.text
     assert "ema_val_accuracy" in read_metrics(run)[-1] and "ema_val_accuracy" not in read_metrics(run)[0]

@@ -176,7 +176,7 @@ def test_a_run_whose_workers_were_ahead_is_not_told_to_add_workers():
 def test_a_starved_run_is_told_to_raise_num_workers(fake_job, tmp_path, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         fake_job(tiny_config(str(tmp_path / "run"), epochs=2), input_delay=0.05)
     assert "advice: input-bound" in caplog.text and "raise data.num_workers from" in caplog.text
 

@@ -9,6 +9,7 @@ import pytest
 
 from tests.fake_runtime import FakeRuntime, FakeWorld, tiny_config
 from tpustream.checkpoint import write_metrics
+from tpustream.config import BestOf
 from tpustream.training.report import EpochRecord, EpochReporter, read_epoch_records
 
 # A line of a metrics.jsonl that train.py wrote before training/report.py existed, in its key order.
@@ -68,10 +69,10 @@ def test_metrics_jsonl_reads_back_as_records(tmp_path):
     assert read_epoch_records(str(tmp_path / "nothing yet")) == []
 
 
-def test_the_epoch_line_reads_as_before(tmp_path, caplog):
+def test_the_epoch_line_states_the_records_figures(tmp_path, caplog):
     reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
     unevaluated = EpochRecord.from_dict({k: v for k, v in LINE.items() if k not in VAL_KEYS})
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         reporter.report_epoch(EpochRecord.from_dict(LINE), 0.1671309192200557, 1, 24, [38.3])
         reporter.report_epoch(unevaluated, 0.1671309192200557, 1, 24, [38.3])
     assert caplog.messages == [
@@ -115,7 +116,7 @@ def test_top5_reads_and_writes_back_and_older_lines_have_none():
 def test_the_epoch_line_and_tensorboard_show_top5_when_the_record_has_it(tmp_path, caplog):
     reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
     reporter.tensorboard = RecordingTensorBoard()
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         reporter.report_epoch(EpochRecord.from_dict(LINE_TOP5), 0.1671309192200557, 1, 24, [38.3])
     assert caplog.messages == [
         "Epoch=1 train: loss=1.9139 samples=768 (replica steps 12) skipped=0 GlobalRate=38.3 time=12.3s | "
@@ -128,8 +129,24 @@ def test_the_epoch_line_and_tensorboard_show_top5_when_the_record_has_it(tmp_pat
 
 
 def test_the_evaluation_line_of_eval_only_shows_top5(tmp_path, caplog):
+def test_the_epoch_line_shows_the_weight_average_and_which_evaluation_chose_the_best(tmp_path, caplog):
+    ema = {"ema_val_accuracy": 0.2, "ema_val_correct": 72, "ema_val_top5": 0.65, "ema_val_loss": 2.01}
+    reporter = EpochReporter(
+        tiny_config(str(tmp_path), **{"ema.decay": 0.9, "ema.select_best": BestOf.ema}),
+        {},
+        FakeRuntime(FakeWorld(1), 0),
+    )
+    with caplog.at_level(logging.INFO, logger="tpustream"):
+        reporter.report_epoch(EpochRecord.from_dict({**LINE_TOP5, **ema}), 0.2, 1, 24, [38.3])
+    assert caplog.messages == [
+        "Epoch=1 train: loss=1.9139 samples=768 (replica steps 12) skipped=0 GlobalRate=38.3 time=12.3s | "
+        "val: accuracy=16.71% (60/359) top5=61.28% loss=2.1587 skipped=0 | "
+        "ema: accuracy=20.00% top5=65.00% loss=2.0100 | best ema=20.00% (epoch 1)",
+    ]
+
+
     reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         reporter.report_evaluation(1, EpochRecord.from_dict(LINE_TOP5).to_dict())
     assert caplog.messages == [
         "evaluation of the checkpoint from epoch 1: accuracy=16.71% (60/359) top5=61.28% loss=2.1587"

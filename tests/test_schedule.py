@@ -56,7 +56,7 @@ def test_a_finished_run_continued_with_more_epochs_follows_the_chosen_phase(
     }
     learning_rates.clear()
     longer = config(run, 2, choice)
-    with caplog.at_level(logging.WARNING, logger="tpustream.training"):
+    with caplog.at_level(logging.WARNING, logger="tpustream"):
         fake_job(longer, resume_from=(load_checkpoint(checkpoint_url(run, LAST)), "last.pt"))
     phase = {
         EpochsChange.keep: SchedulePhase(0.0, 1.0, 2),

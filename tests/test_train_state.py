@@ -97,7 +97,7 @@ def test_progress_leaves_the_checkpoints_tensors_behind():
 def test_another_data_plan_restarts_an_epoch_stopped_inside(caplog):
     saved = TrainState.from_checkpoint(written_before_the_split())
     other = {**PLAN, "num_workers": 0}
-    with caplog.at_level(logging.WARNING, logger="tpustream.training"):
+    with caplog.at_level(logging.WARNING, logger="tpustream"):
         restarted = saved.under_data_plan(other, steps_per_epoch=12, source="last.pt")
     assert (restarted.epoch, restarted.step, restarted.global_step, restarted.partial) == (1, 0, 12, None)
     assert (
@@ -145,7 +145,7 @@ CANONICAL = {**PLAN, "streams": 8, "stream_buffer": 250, "global_batch": 8}
 def test_a_canonical_position_holds_on_another_shape_with_the_same_global_batch(caplog):
     saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
     other_shape = {**CANONICAL, "world_size": 4, "batch_size": 2, "num_workers": 1}
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         assert saved.under_data_plan(other_shape, steps_per_epoch=12, source="last.pt") is saved
     assert (
         "last.pt stopped at step 5 of epoch 1 under 2 replica(s) x batch 4, 2 worker(s); continuing at "
@@ -173,7 +173,7 @@ def test_resume_force_with_another_global_batch_says_in_words_what_changed(caplo
     """Issue 33 (7): the warning named the two data plans as raw dicts."""
     saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
     doubled = {**CANONICAL, "batch_size": 8, "global_batch": 16, "steps_per_epoch": 6}
-    with caplog.at_level(logging.WARNING, logger="tpustream.training"):
+    with caplog.at_level(logging.WARNING, logger="tpustream"):
         saved.under_data_plan(doubled, steps_per_epoch=6, source="last.pt")
     assert (
         "last.pt stopped at step 5 of epoch 1; this run's order differs (a global batch of 8 -> "

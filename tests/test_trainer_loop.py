@@ -94,7 +94,7 @@ def assert_same_weights(run: str, reference: str) -> None:
 
 def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_path, caplog):
     run = str(tmp_path / "run")
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         (summary,) = fake_job(tiny_config(run)).results
     assert [m["epoch"] for m in summary["history"]] == [0, 1]
     records = read_metrics(run)
@@ -250,7 +250,7 @@ def test_a_stop_while_evaluating_keeps_the_trained_epoch_and_resuming_only_evalu
     assert saved["position"] == {"epoch": 0, "step": 12} and saved["partial"] is None
     assert saved["pending_train_metrics"]["train_samples"] == TRAIN_SAMPLES and saved["history"] == []
 
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         fake_job(tiny_config(run), world_size=2, resume_from=resume_from(run))
     assert f"resumed from {checkpoint_url(run, LAST)} at epoch 0, step 12" in caplog.text
     assert read_metrics(run)[0]["train_loss"] == saved["pending_train_metrics"]["train_loss"]
@@ -261,7 +261,7 @@ def test_resuming_under_another_data_plan_restarts_the_epoch(fake_job, tmp_path,
     run = str(tmp_path / "run")
     stopped = fake_job(tiny_config(run), world_size=2, stop_at=(0, "train", 1, 3))
     assert_all_stopped(stopped, "stopped at epoch 1, step 4")
-    with caplog.at_level(logging.INFO, logger="tpustream.training"):
+    with caplog.at_level(logging.INFO, logger="tpustream"):
         resumed = fake_job(tiny_config(run), world_size=1, resume_from=resume_from(run))
     assert (
         "stopped at step 4 of epoch 1; this run's order differs (2 replica(s) -> 1 replica(s), 12 steps an "

@@ -21,9 +21,7 @@ from tpustream.config import DebugConfig
 from tpustream.runtime import Runtime
 from tpustream.training.periodic import itstime
 
-# The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the docs match it).
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 # What reads each runtime's traces (observe.profiler).
 READERS = {

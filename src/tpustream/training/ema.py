@@ -28,7 +28,7 @@ from tpustream.config import EmaConfig
 from tpustream.runtime import Runtime
 from tpustream.training.state import device_values
 
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 def averaged_tensors(module: nn.Module) -> list[torch.Tensor]:

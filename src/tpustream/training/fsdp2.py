@@ -24,8 +24,7 @@ from tpustream.runtime.device import map_tensors
 from tpustream.training.state import plain_optimizer_state_fits
 from tpustream.training.trainer import Trainer
 
-# The package's name, not this module's: log lines read "tpustream.training".
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 def shard_units(model: nn.Module, min_params: int) -> list[nn.Module]:

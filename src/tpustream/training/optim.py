@@ -20,8 +20,7 @@ from tpustream.training.optimizers import (
 )
 from tpustream.training.schedule import xla_safe_scalar
 
-# The package's name, as the trainer's log lines.
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from tpustream.runtime import Runtime
 from tpustream.training.state import capture_rng, restore_rng
 
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 def floating_buffers(modules: Sequence[nn.Module]) -> list[torch.Tensor]:

@@ -27,9 +27,7 @@ from tpustream.observe.flops import TRAINING_FACTOR
 from tpustream.observe.timing import process_token
 from tpustream.runtime import Runtime
 
-# The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the docs match it).
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 # TensorBoard tag -> EpochRecord field, for the fields an epoch may not have.

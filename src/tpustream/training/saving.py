@@ -31,7 +31,7 @@ from tpustream.runtime import Runtime
 from tpustream.runtime.device import tensor_bytes
 from tpustream.runtime.staging import HostStaging
 
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 def available_host_bytes() -> int | None:

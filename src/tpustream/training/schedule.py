@@ -21,8 +21,7 @@ from typing import Any
 
 from tpustream.config import EpochsChange, Schedule, TrainConfig
 
-# The package's name, as the trainer's log lines.
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 # Schedules whose values depend on the horizon (epochs); constant and step do not.
 HORIZON_SCHEDULES = (Schedule.cosine, Schedule.poly)

@@ -27,7 +27,7 @@ import torch.nn as nn
 from tpustream.runtime.spmd import SpmdRuntime, device_bytes
 from tpustream.training.trainer import Trainer
 
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 # What FSDPv2 inserts into the names of the modules it wraps.
 WRAPPER_PREFIX = "_orig_module."

@@ -24,9 +24,7 @@ from tpustream.config import Strategy
 from tpustream.runtime import Runtime
 from tpustream.training.epoch_order import describe_change, describe_shape, same_order
 
-# The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the docs match it).
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -49,9 +49,7 @@ from tpustream.training.state import (
 )
 from tpustream.training.step import StepHooks
 
-# The package's name, not this module's: log lines read "tpustream.training" as
-# they did before training/ was split (tests and the docs match it).
-log = logging.getLogger("tpustream.training")
+log = logging.getLogger(__name__)
 
 
 # (verified checkpoint state, where it was read from)
