@@ -12,7 +12,8 @@ from tpustream.checkpoint import write_metrics
 from tpustream.config import BestOf
 from tpustream.training.report import EpochRecord, EpochReporter, read_epoch_records
 
-# A line of a metrics.jsonl that train.py wrote before training/report.py existed, in its key order.
+# A metrics.jsonl line without the optional fields (top-5, EMA, time shares, process), in its key
+# order: run folders written without them must still read back unchanged.
 LINE = {
     "epoch": 1,
     "wall_time": 1795423849.4449675,
@@ -83,7 +84,7 @@ def test_the_epoch_line_states_the_records_figures(tmp_path, caplog):
     ]
 
 
-# LINE as train.py writes it since top-5 is reported: val_top5 and its count after val_samples.
+# LINE with top-5: val_top5 and its count after val_samples, where train.py writes them.
 _AFTER_SAMPLES = list(LINE).index("val_samples") + 1
 LINE_TOP5 = dict(
     [*list(LINE.items())[:_AFTER_SAMPLES], ("val_top5", 0.6128133704735376), ("val_top5_correct", 220)]
@@ -128,7 +129,6 @@ def test_the_epoch_line_and_tensorboard_show_top5_when_the_record_has_it(tmp_pat
     assert "epoch/val_top5" not in reporter.tensorboard.values
 
 
-def test_the_evaluation_line_of_eval_only_shows_top5(tmp_path, caplog):
 def test_the_epoch_line_shows_the_weight_average_and_which_evaluation_chose_the_best(tmp_path, caplog):
     ema = {"ema_val_accuracy": 0.2, "ema_val_correct": 72, "ema_val_top5": 0.65, "ema_val_loss": 2.01}
     reporter = EpochReporter(
@@ -145,6 +145,7 @@ def test_the_epoch_line_shows_the_weight_average_and_which_evaluation_chose_the_
     ]
 
 
+def test_the_evaluation_line_of_eval_only_shows_top5(tmp_path, caplog):
     reporter = EpochReporter(tiny_config(str(tmp_path)), {}, FakeRuntime(FakeWorld(1), 0))
     with caplog.at_level(logging.INFO, logger="tpustream"):
         reporter.report_evaluation(1, EpochRecord.from_dict(LINE_TOP5).to_dict())
