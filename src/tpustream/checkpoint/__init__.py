@@ -160,7 +160,7 @@ def save_checkpoint(
     """Write state to url, and to each of copies, from the master replica; every replica must call this.
 
     Every replica waits at a barrier until the writes are done, so none runs
-    ahead or exits before them (under PJRT xm.save no longer synchronises).
+    ahead or exits before them (xm.save does not: it leaves the rendezvous to its caller).
     The paths where failed writes were kept are returned (write_host_state).
     checkpoint.background writes the same way without the wait.
     """

@@ -6,8 +6,8 @@ compares runs (``advise_runs``). Epoch 0 is left out when later epochs exist:
 it compiles and starts the loaders' workers. Input-bound is judged from the
 best evidence there is: the run's rate against its synthetic rate, then the
 device's own idle time, then the training thread's wait for batches, which
-alone cannot tell a starved device from a busy one (issue 34: a run at 98%
-of its GPU's own rate waited 29% of the time and was told to add workers).
+alone cannot tell a starved device from a busy one (measured: a run at 98%
+of its GPU's own rate waited 29% of the time for batches).
 
 A resumed run is several processes: each counts its compilations from 0 and
 compiles its graphs once, and the epoch it resumed in carries its start in its
@@ -139,7 +139,7 @@ def host_worker_cap(cpus: int, local_replicas: int | None = None) -> int:
 
     The one left is the replica's own loop (tracing, stepping, collating).
     Workers beyond that take turns on the same vCPUs with each other and with
-    the loop: on a 16-vCPU H100 host 12 workers ran 5% slower than 4 (issue 34).
+    the loop: on a 16-vCPU H100 host 12 workers ran 5% slower than 4.
     The advice and data.num_workers=auto both cap by this, so they agree.
     """
     return max(1, cpus // max(local_replicas or 1, 1) - 1)

@@ -43,7 +43,7 @@ def received() -> bool:
 
 @contextlib.contextmanager
 def handling() -> Iterator[None]:
-    """Around a launch: SIGINT unblocked and handled by this module, as before afterwards.
+    """Around a launch: SIGINT unblocked and handled by this module; handler and mask put back after.
 
     Only on the main thread (the only one Python runs handlers on), and not
     where SIGINT is ignored: a launcher started under ``trap '' INT``, or as a

@@ -113,7 +113,7 @@ class TrainState:
             model=state.get("model"),
             ema=state.get("ema"),
             optimizer=state.get("optimizer"),
-            # Written since strategy=fsdp exists; the ones before were all ddp.
+            # None where the key is absent: ddp wrote those checkpoints (holds_plain_optimizer_state).
             strategy=state.get("strategy"),
             config=state.get("config"),
             config_fingerprint=state.get("config_fingerprint"),
@@ -279,8 +279,8 @@ class ProgressAttribute:
 
 # Strategies whose checkpoints hold the whole model's optimizer state, parameter by parameter
 # in model order, and resume one another's; so does FSDP2's fsdp. A checkpoint of torch_xla's
-# first FSDP (strategy=fsdp on XLA, refused now) holds each replica's optimizer "shards" instead:
-# it loads, its optimizer state starting fresh.
+# first FSDP (strategy=fsdp on XLA, which the launch refuses) holds each replica's optimizer
+# "shards" instead: it loads, its optimizer state starting fresh.
 PLAIN_LAYOUT = {Strategy.ddp.value, Strategy.spmd.value, Strategy.spmd_fsdp.value}
 
 

@@ -14,7 +14,7 @@ The C file is compiled once per machine with the system's C compiler
 cannot be written), and loaded with ctypes. Where it cannot be (no
 compiler, no libjpeg-turbo 6.2 library, ``TPUSTREAM_JPEG_WINDOW=0``),
 ``window_decoder()`` is None, the reason is logged once, and images are
-decoded whole, as before.
+decoded whole, then cut.
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def _scaled_box(region: Box, factor: int, scaled_h: int, scaled_w: int) -> Box:
 
 def _has_end_marker(data: bytes) -> bool:
     """An EOI marker in the last KB: the window decoder never reads below its window, so a JPEG cut
-    short is left to the whole-image decode, which refuses it as before (0xFF 0xD9 occurs nowhere
+    short is left to the whole-image decode, which refuses it (0xFF 0xD9 occurs nowhere
     else there: entropy-coded data stuffs every 0xFF)."""
     return data.rfind(b"\xff\xd9", max(0, len(data) - 1024)) >= 0
 

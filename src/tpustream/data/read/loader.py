@@ -40,7 +40,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     """How DataLoader workers start: forked from a fork server that has the pipeline imported.
 
     Not fork: a replica has runtime threads (XLA, gRPC, the device loader's),
-    and forking a threaded process can deadlock. Not spawn, as they did: a
+    and forking a threaded process can deadlock. Not spawn: a
     spawned worker imports torch and the pipeline itself, 2-4 s of CPU each,
     and a replica starts 2 x data.num_workers of them (training and
     validation), all at once. The fork server is a fresh process (started
