@@ -259,8 +259,8 @@ def run_harness(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_sweep_end_to_end_on_native_pytorch(digits_root, tmp_path):
-    # The harness on the native runtime (--accelerator cpu_eager, the GPU path: issue 24's
-    # "same table on both"); the XLA CPU device's report is the multirun test's below.
+    # The harness on the native runtime (--accelerator cpu_eager, the GPU path: the same
+    # table on both); the XLA CPU device's report is the multirun test's below.
     out = tmp_path / "sweep"
     # A third of the digits and one process keep the 2 runs quick (the plan over several
     # batch sizes and switches: the tests of build_plan above).

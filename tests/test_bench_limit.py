@@ -1,4 +1,4 @@
-"""bench.limit: a configuration's rate against its own synthetic rate (issue 34, item 3)."""
+"""bench.limit: a configuration's rate against its own synthetic rate."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_only_the_master_writes_but_everyone_waits(tmp_path):
 
 
 def test_bfloat16_weights_come_back_as_bfloat16_bit_for_bit(tmp_path):
-    """No float32 round trip on the way (xm.save under XLA_USE_BF16 used to convert)."""
+    """No float32 round trip on the way (xm.save converts under XLA_USE_BF16)."""
     model = torch.nn.Linear(7, 3).to(torch.bfloat16)
     state = {**sample_state(), "model": model.state_dict()}
     save_checkpoint(HostRuntime(), str(tmp_path / "bf16.pt"), state)
@@ -110,7 +110,7 @@ class NotWeights:
 
 
 def test_a_file_that_is_not_weights_only_names_its_cause_whole(tmp_path):
-    """Issue 33 (8): the cause, not torch's advice cut mid-word ("...only if you t)")."""
+    """The cause, not torch's advice cut mid-word ("...only if you t)")."""
     buffer = io.BytesIO()
     torch.save({"model": NotWeights()}, buffer)
     (tmp_path / "pickled.pt").write_bytes(buffer.getvalue())
@@ -242,7 +242,7 @@ def test_a_run_may_continue_decoding_its_jpegs_elsewhere():
 
 
 def test_a_checkpoint_and_its_copies_are_serialised_once(tmp_path, monkeypatch, caplog):
-    """Issue 36 (3): a new best epoch writes last.pt and copies it to best.pt, one encode for both."""
+    """A new best epoch writes last.pt and copies it to best.pt, one encode for both."""
     from tpustream import checkpoint as checkpoint_module
 
     encoded = []

@@ -202,7 +202,7 @@ def test_default_build_installs_the_tpu_extra(tmp_path):
 def test_torch_pins_are_the_versions_the_readme_states(tmp_path):
     readme = (REPO / "README.md").read_text()
     stated = re.search(r"torch ([0-9][0-9.]*[0-9]), torch_xla ([0-9][0-9.]*[0-9])", readme)
-    assert stated, "README.md no longer states 'torch X, torch_xla Y'"
+    assert stated, "README.md does not state 'torch X, torch_xla Y'"
     requirements = run_requirements_snippet(tmp_path, build_args()["EXTRAS"])
     for package, version in zip(("torch", "torch_xla"), stated.groups(), strict=True):
         found = pins(requirements, package)

@@ -93,7 +93,7 @@ def test_train_from_bucket_checkpoint_in_bucket_and_resume(digits_bucket, tmp_pa
         assert sum(e.get("name") == "StepMarker" for e in recorded) >= steps  # one per step at least
 
     # Continued for one more epoch, in train.py's own process (the spawn path ran above); the
-    # cosine redrawn over 5 epochs (issue 33: a changed horizon is the user's decision).
+    # cosine redrawn over 5 epochs (a changed horizon is the user's decision, never silent).
     more = ("epochs=5", "optim.on_epochs_change=stretch")
     second = run_train(*common, *more, "accelerator.in_process=true", f"hydra.run.dir={tmp_path}/h2")
     assert second.returncode == 0, second.stderr[-3000:]

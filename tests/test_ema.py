@@ -101,7 +101,7 @@ def test_best_follows_the_selected_weights(fake_job, tmp_path):
     assert (summary["best_epoch"], summary["best_accuracy"]) == (best, records[best]["ema_val_accuracy"])
     saved = load_checkpoint(checkpoint_url(run, BEST))
     assert saved["epoch"] == best
-    # Every report names best.pt's epoch by the same rule (issue 33).
+    # Every report names best.pt's epoch by the same rule.
     assert best_record(records, cfg.ema.select_best)["epoch"] == best
     # The average evaluated is the average saved: its accuracy, recomputed from best.pt.
     trainer = job.master

@@ -98,7 +98,7 @@ def test_bad_data_is_refused_with_libjpegs_reason_and_crops_judge_it_as_before(j
         decode(data, 1, False, 0, 0, 700, 4)
     with pytest.raises(ValueError, match="Premature end of JPEG file"):  # the window runs past the cut
         decode(data[: len(data) // 2], 1, False, 0, 0, 640, 427)
-    # A JPEG cut short is refused whatever its window, as before: the window decoder alone would
+    # A JPEG cut short is refused whatever its window: the window decoder alone would
     # read the rows above the cut, so such a JPEG goes to the whole-image decode, which refuses it.
     cut = data[: len(data) // 2]
     assert np.array_equal(

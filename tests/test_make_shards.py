@@ -869,7 +869,7 @@ def test_image_size_applies_to_imagefolder_only(tmp_path, capsys, source, flag):
 
 
 def test_source_is_not_for_digits(tmp_path, capsys):
-    """Issue 18 (12): the help says so, and now the command does too."""
+    """As its help says: refused before anything is written."""
     with pytest.raises(SystemExit) as exc:
         run("digits", str(tmp_path / "out"), "--source", str(tmp_path))
     assert exc.value.code == 2

@@ -155,7 +155,7 @@ def test_a_model_is_built_and_run_on_the_meta_device_before_spawning():
     ],
 )
 def test_options_tpustream_sets_from_the_data_name_the_data_key(library, name, option, data_key):
-    """Issue 33 (8): not "create_model() got multiple values for keyword argument 'num_classes'"."""
+    """The key to set, not "create_model() got multiple values for keyword argument 'num_classes'"."""
     from tpustream.models import check_model_builds
 
     message = (
@@ -170,7 +170,7 @@ def test_options_tpustream_sets_from_the_data_name_the_data_key(library, name, o
 
 
 def test_the_timm_input_size_hint_only_follows_a_forward_pass_of_a_model_taking_img_size():
-    """Issue 33 (8): a constructor's refusal is about its options, not about img_size."""
+    """A constructor's refusal is about its options, not about img_size."""
     from tpustream.models import check_model_builds
 
     with pytest.raises(ConfigError) as refused:

@@ -25,7 +25,7 @@ def suggested(finding: str) -> int | None:
 
 
 def test_the_suggested_workers_never_pass_the_vcpus_each_replica_gets_less_one():
-    # Issue 34: an H100 host of 16 vCPUs, one replica, 12 workers waiting 29%: not "about 32".
+    # An H100 host of 16 vCPUs, one replica, 12 workers waiting 29%: not "about 32".
     (finding,) = advise(epochs(0.29), num_workers=12, cpus=16, local_replicas=1)
     assert suggested(finding) == 15
     assert "(the most: this host has 16 vCPUs, one kept for each replica's loop)" in finding
@@ -87,7 +87,7 @@ def test_the_devices_idle_time_decides_over_the_training_threads_wait():
 
 @pytest.mark.parametrize("wait", [0.29, 0.6])
 def test_a_run_at_95_percent_of_its_synthetic_rate_is_not_input_bound_whatever_it_waited(wait):
-    # Issue 34: 98% of the GPU's own rate (data.synthetic=true), waiting 29%, was told "raise to 8".
+    # 98% of the GPU's own rate (data.synthetic=true) while waiting 29%: no "raise to 8".
     (finding,) = advise(epochs(wait, rate=3033), num_workers=4, cpus=16, synthetic_rate=3095)
     assert finding.startswith(
         "not input-bound: the run reached 98% of its synthetic rate (3033 of 3095 samples/s with "

@@ -1,4 +1,4 @@
-"""The epoch best.pt holds, by ema.select_best, as every report names it (issue 33, item 2)."""
+"""The epoch best.pt holds, by ema.select_best, as every report names it."""
 
 from __future__ import annotations
 

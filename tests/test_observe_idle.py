@@ -2,8 +2,8 @@
 
 Each simulated device keeps the truth (its own idle time between steps) and
 the measurement is held against it: an asynchronous device that is still
-busy while the host waits for a batch is not input-bound (issue 34: an H100
-run at 98% of its own rate was reported 29% input-bound from the host wait).
+busy while the host waits for a batch is not input-bound (measured: an H100
+run at 98% of its own rate had its host wait 29% of the time for batches).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def run_cuda_loop(monkeypatch, input_delay: float, step: float) -> tuple[InputWa
     (wait, stream, the loop's seconds until the stream has run every step)
     """
     stream = FakeStream()
-    monkeypatch.setattr(native, "_recorded_event", lambda: FakeEvent(stream))
+    monkeypatch.setattr(native, "_recorded_event", lambda module: FakeEvent(stream))
     monkeypatch.setattr(native, "_to_device", lambda batch, device: batch)  # no GPU here
     monkeypatch.setattr(native, "_CopyStream", ImmediateCopies)  # nor a copy stream
     runtime = native.NativeRuntime(0, 1, 0, torch.device("cuda", 0))
@@ -327,7 +327,7 @@ def epoch_shares(accelerator: str, output_dir: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_the_input_bound_share_is_what_the_input_cost_the_rate(tmp_path):
-    """Issue 34: within 5 points of 1 - real/device-only rate, starved or not.
+    """Within 5 points of 1 - real/device-only rate, starved or not.
 
     A starved epoch (batches 0.6 s apart, steps of well under 0.1 s) is held
     against the delay-free epochs on either side of it (the device-only rate);

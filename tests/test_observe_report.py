@@ -62,7 +62,7 @@ def test_runs_are_compared_by_the_config_values_that_differ(two_runs, tmp_path):
 
 
 def test_the_devices_input_bound_share_stands_beside_the_hosts_wait(tmp_path):
-    """Issue 34: a run at 98% of its GPU's own rate waited 29% host-side; the device idled 2% for input."""
+    """A run at 98% of its GPU's own rate waited 29% host-side; the device idled 2% for input."""
     run = str(tmp_path / "gpu")
     records = [epoch(number, 0.8, 3033.0, 0.29) for number in range(3)]
     for record in records:
@@ -78,7 +78,7 @@ def test_the_devices_input_bound_share_stands_beside_the_hosts_wait(tmp_path):
 
 
 def test_runs_where_more_workers_were_slower_say_so(tmp_path):
-    """Issue 34: 12 workers ran 5% slower than 4 on a 16-vCPU host, and nothing said so."""
+    """12 workers ran 5% slower than 4 on a 16-vCPU host: the comparison of the runs says so."""
     runs = []
     for workers, rate in ((4, 3033.0), (12, 2882.0)):
         run = str(tmp_path / f"w{workers}")
@@ -125,7 +125,7 @@ def hydra_job(sweep, number: int, output_dir: str, cwd) -> str:
 
 
 def test_a_hydra_multirun_with_output_dir_left_to_hydra_is_found(tmp_path):
-    """Issue 33 (4): output_dir is ${hydra:runtime.output_dir} in each job's .hydra/config.yaml."""
+    """output_dir is ${hydra:runtime.output_dir} in each job's .hydra/config.yaml."""
     sweep = tmp_path / "sweep"
     for number in (0, 1):
         job = hydra_job(sweep, number, "${hydra:runtime.output_dir}", tmp_path)
@@ -139,7 +139,7 @@ def test_a_hydra_multirun_with_output_dir_left_to_hydra_is_found(tmp_path):
 
 
 def test_a_run_stopped_in_its_first_epoch_is_a_run_that_has_not_finished_an_epoch(tmp_path, capsys):
-    """Issue 33 (4): config.yaml and last.pt but no metrics.jsonl yet: where last.pt is."""
+    """config.yaml and last.pt but no metrics.jsonl yet: where last.pt is."""
     from tpustream.checkpoint import encode_checkpoint
 
     run = str(tmp_path / "run")
@@ -163,7 +163,7 @@ def test_a_run_stopped_in_its_first_epoch_is_a_run_that_has_not_finished_an_epoc
 
 
 def test_compiles_are_each_epochs_own_across_the_processes_of_a_resumed_run():
-    """Issue 33 (4): `compilations` is a process's running total; a resumed process counts from 0 again."""
+    """`compilations` is a process's running total; a resumed process counts from 0 again."""
     from tpustream.observe.report import compiles_per_epoch
 
     totals = [(5, True), (5, False), (7, False), (4, True), (4, False), (3, False), (3, False)]
@@ -175,7 +175,7 @@ def test_compiles_are_each_epochs_own_across_the_processes_of_a_resumed_run():
 
 
 def test_the_weight_average_is_shown_beside_the_raw_weights_and_best_pt_is_named(two_runs, tmp_path):
-    """Issue 33 (2): ema.select_best=ema: best.pt's epoch is the average's best, both accuracies shown."""
+    """ema.select_best=ema: best.pt's epoch is the average's best, both accuracies shown."""
     run = str(tmp_path / "ema")
     records = [epoch(0, 0.5, 100.0, 0.1), epoch(1, 0.0975, 100.0, 0.1)]
     records[0].update(ema_val_accuracy=0.3)
@@ -207,7 +207,7 @@ def synthetic_twin(tmp_path, name: str, rates: tuple[float, ...], **config) -> s
 
 
 def test_a_run_given_with_its_synthetic_twin_shows_each_epochs_share_of_its_rate(two_runs, tmp_path):
-    """Issue 34 (3): how far each epoch ran from the device's own rate for the same step."""
+    """How far each epoch ran from the device's own rate for the same step."""
     twin = synthetic_twin(tmp_path, "synthetic", (100.0, 250.0, 250.0), batch_size=8)
     text = report([two_runs[0], twin], None, draw=False)
     rows = text.splitlines()

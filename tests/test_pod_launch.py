@@ -189,7 +189,7 @@ def fake_train(tmp_path) -> Path:
 
 @pytest.fixture
 def sigint_default():
-    """SIGINT at Python's default in pytest's process during the test, as before afterwards.
+    """SIGINT at Python's default in pytest's process during the test, put back after.
 
     Earlier tests may leave it otherwise; a child started meanwhile inherits it
     at its default (a handler becomes SIG_DFL on exec; SIG_IGN would stay).
@@ -382,8 +382,9 @@ def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, sigint_default,
     assert len(hung) == 4 and not any(alive(pid) for pid in hung)
 
 
-# Where a Ctrl-C used to escape the launcher's stopping of its workers, and how the
-# test puts it there: SIGINT to pytest's own process, which main() handles meanwhile.
+# Where a Ctrl-C could escape the launcher's stopping of its workers (a worker started,
+# not yet recorded), and how the test puts it there: SIGINT to pytest's own process,
+# which main() handles meanwhile.
 
 
 def _sigint_after_the_first_start(monkeypatch, gcloud, pids) -> None:

@@ -243,7 +243,7 @@ def test_a_stop_signal_saves_last_pt_and_exits_75(digits_root, tmp_path, signum,
 def test_a_stop_before_the_replicas_start_ends_the_run_there(
     monkeypatch, compose_config, digits_root, signum, code
 ):
-    """Issue 18 (2): requested before spawning, a stop is final: no replica starts (exit 75, Ctrl-C 130)."""
+    """Requested before spawning, a stop is final: no replica starts (exit 75, Ctrl-C 130)."""
     from tpustream.launch import launch, prepare
 
     plan = prepare(compose_config(f"data.root={digits_root}", "resume=null"))

@@ -1,4 +1,4 @@
-"""training.schedule: the lr over a phase of the run; a run continued with other `epochs` (issue 33, 3)."""
+"""training.schedule: the lr over a phase of the run; a run continued with other `epochs`."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_a_restarted_phase_stopped_mid_epoch_resumes_exactly(fake_job, tmp_path,
     )
     state = load_checkpoint(checkpoint_url(run, LAST))
     assert state["position"] == {"epoch": 1, "step": 11}
-    # The same command again (its choice does not matter now: epochs no longer change).
+    # The same command again (its choice does not matter: the saved phase already has epochs=2).
     fake_job(config(run, 2), resume_from=(state, "last.pt"))
     assert learning_rates == want and len(want) == STEPS  # 11 steps in one process, 13 in the next
 

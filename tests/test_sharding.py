@@ -262,7 +262,7 @@ def test_no_partition_where_none_fits_or_when_asked_for_none():
 @pytest.mark.parametrize(
     ("workers", "expected", "balance"),
     [
-        (8, 16, 1.0),  # 2 each: as before
+        (8, 16, 1.0),  # 8 divides 16: 2 each
         (16, 16, 1.0),
         (15, 128, 128 / 15 / 9),  # 16 would leave one worker two streams and 14 one: 0.53
         (14, 64, 64 / 14 / 5),

@@ -117,7 +117,7 @@ def test_missing_classes_and_empty_folders_are_one_line_errors(wds_split, tmp_pa
 
 
 def test_the_index_command_fails_when_it_cannot_save_the_index(wds_split, monkeypatch, capsys):
-    """Issue 18 (10): counted but not saved is a failure (exit 2) that points at --output-dir."""
+    """Counted but not saved is a failure (exit 2) that points at --output-dir."""
 
     def read_only(url: str, data: bytes) -> None:
         raise StorageError(f"{url}: read-only file system")
@@ -129,7 +129,7 @@ def test_the_index_command_fails_when_it_cannot_save_the_index(wds_split, monkey
 
 
 def test_unreadable_first_samples_get_the_advice_that_can_help(tmp_path):
-    """Issue 18 (12): npy members or dotted names need data.image_key, not data.image_size."""
+    """Npy members or dotted names need data.image_key, not data.image_size."""
     folder = tmp_path / "odd"
     folder.mkdir()
     png = png_bytes(solid_image(1))
@@ -216,7 +216,7 @@ def with_bad_start(samples: list, bad: int, fields: dict[str, bytes]) -> list:
 
 
 def test_bad_samples_at_the_start_are_bad_data_not_a_wrong_key(write_split, tmp_path):
-    """Issue 33 (6): three bad samples first are skipped and counted, not "image_key reads no image"."""
+    """Three bad samples first are skipped and counted, not taken for "image_key reads no image"."""
     options = SplitOptions(label_key="cls", progress=False)
     undecodable = with_bad_start(numbered_samples(0, 10), 3, {"png": b"not a png"})
     assert load_split(write_split("train", [undecodable]), "train", options).num_samples == 10

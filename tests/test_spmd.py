@@ -94,7 +94,7 @@ def spmd_stopped(digits_root, tmp_path_factory) -> str:
 # parameters and evaluated by the same graph) and augmentation on the device (pairs within
 # each device's share of the global batch, pixel noise hashed per sample on the sharded
 # batch). With the default log_steps and saves mid-epoch: a save that no logged loss had
-# just waited for read shards still being computed and crashed (issue 18); log_steps=1 hid it.
+# just waited for read shards still being computed and crashed; log_steps=1 hid it.
 FSDP_RECIPE = (
     *spmd("spmd_fsdp"),
     "fsdp_wrap_min_params=1000",

@@ -530,7 +530,7 @@ def test_probe_writable_names_a_missing_bucket(missing_bucket):
 
 
 def test_copy_replaces_the_target_whole_without_rewriting_the_bytes(root, tmp_path):
-    """Issue 36 (3): best.pt as a copy of last.pt: a hard link locally, a server-side copy on GCS."""
+    """best.pt as a copy of last.pt: a hard link locally, a server-side copy on GCS."""
     source, target = f"{root}/last.pt", f"{root}/best.pt"
     storage.write_bytes_verified(source, b"epoch 3")
     storage.write_bytes_verified(target, b"an older best")

@@ -97,7 +97,7 @@ def test_a_kernel_whose_launch_is_not_traced_still_counts_inside_the_window():
     events.append(on(COMPUTE, "kernel", "cudnn engine", 1150, 100, correlation=77))  # in gap 1100-1300
     found = trace_gaps.summarise(events)
     assert found["window_ms"] == pytest.approx(1.5) and found["idle_ms"] == pytest.approx(0.64)
-    # 1100-1150 has no launch to read; 1250-1300 waited on another stream as before.
+    # 1100-1150 has no launch to read; 1250-1300 waited on another stream, as in two_steps().
     assert found["idle_by_cause_ms"]["unknown"] == pytest.approx(0.05)
     assert found["idle_by_cause_ms"]["other stream"] == pytest.approx(0.05)
 

@@ -15,7 +15,8 @@ from tpustream.training.state import TrainState, capture_rng, restore_rng
 
 PLAN = {"world_size": 2, "batch_size": 4, "num_workers": 2, "steps_per_epoch": 12, "seed": 0}
 CONFIG = {"seed": 0, "batch_size": 4}
-# The keys, in order, that the trainer wrote before training/ was split (and must keep writing).
+# The keys of a checkpoint without the optional ones (ema, replicas...), in the order the trainer
+# writes them: the format checkpoints on disk have, so it must not change.
 CHECKPOINT_KEYS = [
     "position",
     "epoch",
@@ -35,8 +36,8 @@ CHECKPOINT_KEYS = [
 ]
 
 
-def written_before_the_split() -> dict:
-    """A mid-epoch last.pt's content as Trainer.state() built it before training/state.py existed."""
+def mid_epoch_checkpoint() -> dict:
+    """A mid-epoch last.pt's content, written in full by hand: what TrainState reads must not drift."""
     return {
         "position": {"epoch": 1, "step": 5},
         "epoch": 0,
@@ -56,8 +57,8 @@ def written_before_the_split() -> dict:
     }
 
 
-def test_a_checkpoint_from_before_the_split_reads_and_writes_back_the_same():
-    old = written_before_the_split()
+def test_a_checkpoint_reads_and_writes_back_the_same():
+    old = mid_epoch_checkpoint()
     state = TrainState.from_checkpoint(decode_checkpoint(encode_checkpoint(old), "old.pt"))
     assert (state.epoch, state.step, state.global_step) == (1, 5, 17)
     assert state.partial == old["partial"] and state.history == old["history"]
@@ -89,13 +90,13 @@ def test_the_last_completed_epoch_is_the_one_before_the_position():
 
 
 def test_progress_leaves_the_checkpoints_tensors_behind():
-    progress = TrainState.from_checkpoint(written_before_the_split()).progress()
+    progress = TrainState.from_checkpoint(mid_epoch_checkpoint()).progress()
     assert progress.model is None and progress.optimizer is None and progress.rng is None
     assert (progress.epoch, progress.step, progress.global_step, progress.best_epoch) == (1, 5, 17, 0)
 
 
 def test_another_data_plan_restarts_an_epoch_stopped_inside(caplog):
-    saved = TrainState.from_checkpoint(written_before_the_split())
+    saved = TrainState.from_checkpoint(mid_epoch_checkpoint())
     other = {**PLAN, "num_workers": 0}
     with caplog.at_level(logging.WARNING, logger="tpustream"):
         restarted = saved.under_data_plan(other, steps_per_epoch=12, source="last.pt")
@@ -115,7 +116,7 @@ def test_a_position_at_an_epochs_start_holds_under_any_data_plan(caplog):
 
 @pytest.mark.parametrize("world_size, steps", [(8, 3), (1, 24)], ids=["fewer-steps", "more-steps"])
 def test_a_trained_epoch_stays_trained_under_another_count_of_steps(world_size, steps, caplog):
-    """Issue 33 (7): 12 of 24 steps is not mid-epoch when the run stopped after all 12 of its own."""
+    """12 of 24 steps is not mid-epoch when the run stopped after all 12 of its own."""
     saved = TrainState(epoch=1, step=12, global_step=24, data_plan=PLAN)
     plan = {**PLAN, "world_size": world_size, "steps_per_epoch": steps}
     resumed = saved.under_data_plan(plan, steps_per_epoch=steps, source="x")
@@ -124,7 +125,7 @@ def test_a_trained_epoch_stays_trained_under_another_count_of_steps(world_size, 
 
 
 def test_the_same_data_plan_keeps_the_position():
-    saved = TrainState.from_checkpoint(written_before_the_split())
+    saved = TrainState.from_checkpoint(mid_epoch_checkpoint())
     assert saved.under_data_plan(dict(PLAN), steps_per_epoch=12, source="x") is saved
 
 
@@ -170,7 +171,7 @@ def test_a_canonical_position_restarts_its_epoch_under_another_order(change):
 
 
 def test_resume_force_with_another_global_batch_says_in_words_what_changed(caplog):
-    """Issue 33 (7): the warning named the two data plans as raw dicts."""
+    """The warning says what changed in words, not as the two data plans' dicts."""
     saved = TrainState(epoch=1, step=5, global_step=17, data_plan=CANONICAL)
     doubled = {**CANONICAL, "batch_size": 8, "global_batch": 16, "steps_per_epoch": 6}
     with caplog.at_level(logging.WARNING, logger="tpustream"):

@@ -125,7 +125,7 @@ def test_one_replica_trains_evaluates_and_writes_the_run_folder(fake_job, tmp_pa
 def test_a_new_best_epoch_is_serialised_once_and_best_pt_is_a_copy_of_last_pt(
     fake_job, tmp_path, monkeypatch
 ):
-    """Issue 36 (3): an epoch that is a new best and last.pt costs one encode; best.pt is its copy."""
+    """An epoch that is a new best and last.pt costs one encode; best.pt is its copy."""
     from tpustream import checkpoint as checkpoint_module
     from tpustream import storage
 
@@ -287,7 +287,7 @@ def test_without_evaluation_the_epoch_end_looks_for_stop_requests(fake_job, tmp_
 def test_saves_slower_than_steps_overlap_training_and_a_stop_ends_only_once_its_save_is_durable(
     fake_job, tmp_path, monkeypatch
 ):
-    """Issue 36: checkpoint.asynchronous (the default) with every_n_steps; each write takes 0.3 s."""
+    """checkpoint.asynchronous (the default) with every_n_steps; each write takes 0.3 s."""
     import time
 
     from tpustream import storage

@@ -42,7 +42,7 @@ def test_without_a_known_demand_the_count_is_what_the_host_can_spare():
 
 
 def test_auto_and_the_advice_cap_workers_by_the_same_vcpus_per_replica():
-    """Issue 34: neither ever goes past the vCPUs a replica gets, less one for its loop."""
+    """Neither ever goes past the vCPUs a replica gets, less one for its loop."""
     from tpustream.observe.advice import advise, host_worker_cap
 
     starved = [{"epoch": epoch, "input_wait_fraction": 0.9} for epoch in range(3)]

@@ -21,7 +21,7 @@ themselves. Those values (torch_xla's defaults such as TF_CPP_MIN_LOG_LEVEL)
 are set in a run's environment too, unless it gives them its own, as they
 would be in a fresh process.
 
-Fresh interpreters instead, as before: for a command that is not
+Fresh interpreters instead: for a command that is not
 `python SCRIPT.py ARGS` (no interpreter options), for a test that needs one
 (one whose subject is a stop during the imports), and for the whole suite
 with TPUSTREAM_TEST_FRESH_PROCESSES=1.
