@@ -153,7 +153,7 @@ def test_a_jpeg_the_device_refuses_is_decoded_by_the_host(split, monkeypatch):
 
     monkeypatch.setattr(DeviceDecoder, "_on_device", refusing)
     out, filled, _ = one_pass(split, "device")
-    assert filled == 1  # the garbage sample only, as before
+    assert filled == 1  # the garbage sample only: a refused JPEG is decoded by the host, not filled
     assert refused.count(1) >= 5  # JPEGs the device refused on their own, then read by the host
     for a, b in zip(expected, out, strict=True):
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["real"], b["real"])

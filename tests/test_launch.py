@@ -43,19 +43,19 @@ TRIVIAL = ("augment.trivialaugment=true",)
             ["data.mean=[0.5]", "data.std=[0.5]"],
             r"data.mean and data.std have 1 values, images have 3 channel\(s\) \(the data's\)",
         ),
-        # Issue 33 (9): both must change, and the message says so with the values to give.
+        # Both must change, and the message says so with the values to give.
         (
             ["data.channels=1"],
             r"data.mean and data.std have 3 values, images have 1 channel\(s\) \(data.channels=1\): give "
             r"both one value per channel, e.g. data.mean=\[0.5\] data.std=\[0.25\]$",
         ),
-        # Issue 33 (5): the fill's channels, before spawning, as its range is.
+        # The fill's channels, before spawning, as its range is.
         (
             ["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[1,2,3]", *TRIVIAL],
             r"augment.fill has 3 values, images have 1 channel\(s\) \(data.channels=1\): .*fill=\[128\]",
         ),
         (["data.channels=1", "data.mean=[0.5]", "data.std=[0.25]", "augment.fill=[7]", *TRIVIAL], None),
-        # Issue 33 (9): settings that would do nothing.
+        # Settings that would do nothing.
         (["augment.mix_prob=0.5"], r"augment.mix_prob=0.5 acts only with augment.mixup_alpha or augment"),
         (["augment.mix_prob=0.5", "augment.cutmix_alpha=1.0"], None),
         (["augment.mix_mode=elem"], r"augment.mix_mode=elem acts only with augment.mixup_alpha or augment"),
@@ -90,7 +90,7 @@ TRIVIAL = ("augment.trivialaugment=true",)
             ["strategy=spmd", "accelerator.num_devices=0"],
             r"accelerator.num_devices must be at least 1 \(or null: every device\), got 0",
         ),
-        # Issue 18 (12): not the XLA:CPU collectives message, which cannot help here.
+        # Not the XLA:CPU collectives message, which cannot help here.
         (["accelerator.num_devices=0"], r"accelerator.num_devices must be at least 1"),
         (["checkpoint.every_n_steps=-5"], r"checkpoint.every_n_steps must be >= 0"),
         (["optim.momentum=1.5"], r"optim.momentum must be in \[0, 1\), got 1.5"),
@@ -156,7 +156,7 @@ def test_bad_config_is_a_config_error(prepared, overrides, message):
 
 
 def test_crops_far_larger_than_the_stored_images_are_named_in_a_warning(prepared, caplog):
-    """Issue 33 (9): +experiment=deit_small on 32 px data upsamples every crop 7x; a warning, not an
+    """+experiment=deit_small on 32 px data upsamples every crop 7x; a warning, not an
     error, since fine-tuning a 224 px model on upsampled small images is common practice."""
     deit = (
         "+experiment=deit_small",
@@ -303,7 +303,7 @@ def test_resuming_another_model_is_one_line_naming_the_tensor(prepared, tmp_path
 
 
 def test_a_checkpoint_of_another_model_is_advised_by_what_the_run_wants_of_it(prepared, tmp_path):
-    """Issue 33 (8): evaluating or starting from it needs its model (model=), not another output_dir."""
+    """Evaluating or starting from it needs its model (model=), not another output_dir."""
     from tpustream import storage
     from tpustream.models import create_model
 
@@ -375,7 +375,7 @@ def test_a_run_folder_continued_under_another_config_is_refused_naming_the_keys(
 
 
 def test_a_run_with_canonical_streams_continues_on_another_shape_with_its_global_batch(prepared, tmp_path):
-    """Issue 23: batch_size may change with the shape; what cannot continue is one line before spawning."""
+    """batch_size may change with the shape; what cannot continue is one line before spawning."""
     from tpustream import storage
     from tpustream.models import create_model
 
@@ -424,7 +424,7 @@ def test_a_run_with_canonical_streams_continues_on_another_shape_with_its_global
 
 
 def test_a_run_without_canonical_streams_continues_mid_epoch_on_its_own_shape_only(prepared, tmp_path):
-    """Issue 33 (7): its order is cut for replicas x batch x workers; another shape would retrain steps."""
+    """Its order is cut for replicas x batch x workers; another shape would retrain steps."""
     from tpustream import storage
     from tpustream.models import create_model
 
@@ -472,7 +472,7 @@ def finished_run(out: str, epochs: int = 3, best_epoch: int = 1) -> bytes:
 
 
 def test_a_fresh_start_never_overwrites_a_run_without_resume_overwrite(prepared, tmp_path, caplog):
-    """Issue 18 (4): resume=null on a finished run refused, naming what it would lose; overwrite deletes."""
+    """resume=null on a finished run refused, naming what it would lose; overwrite deletes."""
     from tpustream.checkpoint import read_metrics
 
     out = str(tmp_path / "run")
@@ -484,7 +484,7 @@ def test_a_fresh_start_never_overwrites_a_run_without_resume_overwrite(prepared,
     ):
         prepared(f"output_dir={out}")  # the fixture says resume=null
     assert len(read_metrics(out)) == 3  # nothing was touched
-    # The model-mismatch error's advice no longer points at the refused resume=null.
+    # The model-mismatch error's advice points at resume=overwrite, not at the refused resume=null.
     with pytest.raises(ConfigError, match=r"holds another model.*resume=overwrite to delete the run there"):
         prepared(f"output_dir={out}", "resume=auto", "model.options.width=8")
     plan = prepared(f"output_dir={out}", "resume=overwrite")
@@ -493,7 +493,7 @@ def test_a_fresh_start_never_overwrites_a_run_without_resume_overwrite(prepared,
 
 
 def test_the_run_folders_own_checkpoint_wins_over_the_one_that_started_it(prepared, tmp_path, caplog):
-    """Issue 18 (3): resume=URL (fine-tuning) started the run; rerun, it continues from its own last.pt."""
+    """resume=URL (fine-tuning) started the run; rerun, it continues from its own last.pt."""
     from tpustream import storage
     from tpustream.models import create_model
 
@@ -513,7 +513,7 @@ def test_the_run_folders_own_checkpoint_wins_over_the_one_that_started_it(prepar
 
 
 def test_more_epochs_under_a_cosine_schedule_are_refused_until_the_schedule_is_chosen(prepared, tmp_path):
-    """Issue 33 (3): a changed horizon used to restart the cosine silently (lr 0.00047 -> 0.027)."""
+    """Recomputing the cosine over a changed horizon would jump the lr (seen: 0.00047 -> 0.027)."""
     from tpustream import storage
     from tpustream.models import create_model
 
@@ -544,7 +544,7 @@ def test_more_epochs_under_a_cosine_schedule_are_refused_until_the_schedule_is_c
 
 
 def test_a_finished_or_early_stopped_run_is_not_trained_again(prepared, tmp_path):
-    """Issue 18 (5, 7): nothing is spawned for a finished folder; a finished named checkpoint is an error."""
+    """Nothing is spawned for a finished folder; a finished named checkpoint is an error."""
     from tpustream.launch import describe_result, launch
 
     out = str(tmp_path / "run")
@@ -565,7 +565,7 @@ def test_a_finished_or_early_stopped_run_is_not_trained_again(prepared, tmp_path
 
 
 def test_a_run_folder_hydra_cannot_create_is_one_line(tmp_path):
-    """Issue 18 (12): not Hydra's traceback; exit 2 before anything starts."""
+    """Not Hydra's traceback; exit 2 before anything starts."""
     from tpustream.launch.checks import check_run_dir
 
     afile = tmp_path / "afile"
@@ -580,7 +580,7 @@ def test_a_run_folder_hydra_cannot_create_is_one_line(tmp_path):
     )
 
 
-# Issue 33's run: the raw weights peak at epoch 1, their average (which best.pt follows) at epoch 2.
+# Raw weights peaking at epoch 1, their average (which best.pt follows) at epoch 2: the rules differ.
 EMA_HISTORY = [
     {
         "epoch": number,
@@ -595,7 +595,7 @@ EMA_HISTORY = [
 
 
 def test_the_last_line_names_the_epoch_best_pt_holds_with_both_accuracies(tmp_path):
-    """Issue 33 (2): under ema.select_best=ema, the average's best epoch and figures, the raw ones beside."""
+    """Under ema.select_best=ema, the average's best epoch and figures, the raw ones beside."""
     from tpustream.checkpoint import write_metrics
     from tpustream.launch.plan import describe_result, read_final_metrics
 
@@ -611,7 +611,7 @@ def test_the_last_line_names_the_epoch_best_pt_holds_with_both_accuracies(tmp_pa
 
 
 def test_a_fresh_start_names_the_earlier_runs_best_epoch_as_its_best_pt_holds_it(tmp_path):
-    """Issue 33 (2): the earlier run's own ema.select_best (config.yaml) chose its best.pt, not this run's."""
+    """The earlier run's own ema.select_best (config.yaml) chose its best.pt, not this run's."""
     from tpustream.checkpoint import write_config, write_metrics
     from tpustream.config import DataConfig, TrainConfig
     from tpustream.launch.resume_checks import check_fresh_start
