@@ -296,3 +296,33 @@ def test_a_batch_is_copied_on_its_own_stream_and_the_step_waits_for_that_copy(mo
         ("wait", "compute", 1),
         ("wait", "compute", 2),
     ]
+
+
+def test_the_native_runtime_reaches_a_device_through_its_device_module(monkeypatch):
+    """No CUDA by name: another backend whose module has CUDA's calls (torch.xpu, ...) runs as it is."""
+    import types
+
+    import torch
+
+    from tpustream.runtime import native as runtime_module
+
+    calls = []
+    state = torch.tensor(list(range(16)), dtype=torch.uint8)
+    fake = types.SimpleNamespace(
+        set_device=lambda index: calls.append(("set_device", index)),
+        get_device_name=lambda device: "Fake Accelerator",
+        get_rng_state=lambda device: state.clone(),
+        set_rng_state=lambda value, device: calls.append(("set_rng_state", bytes(value.tolist()))),
+        manual_seed=lambda seed: calls.append(("manual_seed", seed)),
+    )
+    monkeypatch.setattr(torch, "get_device_module", lambda device=None: fake)
+    device = runtime_module.native_device("XPU", 1)
+    assert device == torch.device("xpu", 1) and calls == [("set_device", 1)]
+    assert runtime_module.native_device("CPU", 1) == torch.device("cpu")
+    runtime = runtime_module.NativeRuntime(0, 1, 1, device)
+    assert runtime.accelerator_type() == "Fake Accelerator"
+    saved = runtime.rng_state()
+    assert saved == int.from_bytes(bytes(range(16)), "little")
+    runtime.set_rng_state(saved)
+    runtime.set_rng_state(7)  # a seed: an XLA run's checkpoint
+    assert calls[1:] == [("set_rng_state", bytes(range(16))), ("manual_seed", 7)]

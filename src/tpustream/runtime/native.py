@@ -5,6 +5,13 @@ initialised with this rank and world size. Tensors live on the replica's own
 device and ops run when called, so there is no step to mark, no graph to
 compile, and a step closure runs at once. Nothing here imports torch_xla: a
 GPU machine without it installed runs this path.
+
+The device is spoken to through torch.accelerator and its device module
+(torch.get_device_module: torch.cuda for a GPU), not through CUDA by name: a
+backend whose module has CUDA's stream, event and RNG calls (torch.xpu, or an
+out-of-tree PrivateUse1 device registered with torch._register_device_module)
+needs only its Device member and accelerator option (config.choices.PLATFORMS).
+Only cuDNN's settings and the profiler's activity are CUDA's alone.
 """
 
 from __future__ import annotations
@@ -23,24 +30,28 @@ from tpustream.runtime.gloo import HostCollectives, average_flat
 from tpustream.runtime.resident import is_resident, resident_batches
 from tpustream.runtime.staging import HostStaging
 
-# A CUDA generator's state: its seed and Philox offset, 8 bytes each.
-CUDA_RNG_STATE_BYTES = 16
+# A device generator's state (CUDA's Philox): its seed and offset, 8 bytes each.
+DEVICE_RNG_STATE_BYTES = 16
 
 
 def native_device(device_type: str, local_rank: int, deterministic: bool = False) -> torch.device:
-    """This replica's device: cuda:<local_rank> (made current, cuDNN set up), or the CPU.
+    """This replica's device: <type>:<local_rank> made current (cuDNN set up on CUDA), or the CPU.
 
-    deterministic: cuDNN's deterministic algorithms and no autotuning (what
-    bitwise resumes need: the autotuner may pick another kernel in a resumed
-    process, and some backward kernels add in a varying order); otherwise
-    cudnn.benchmark, the fastest kernel for each shape.
+    device_type is config.Device's value (CPU, CUDA). deterministic: cuDNN's
+    deterministic algorithms and no autotuning (what bitwise resumes need: the
+    autotuner may pick another kernel in a resumed process, and some backward
+    kernels add in a varying order); otherwise cudnn.benchmark, the fastest
+    kernel for each shape.
     """
-    if device_type == "CUDA":
-        torch.cuda.set_device(local_rank)
+    kind = device_type.lower()
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device(kind, local_rank)
+    torch.get_device_module(device).set_device(local_rank)
+    if kind == "cuda":
         torch.backends.cudnn.deterministic = deterministic
         torch.backends.cudnn.benchmark = not deterministic
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return device
 
 
 def host_copy(value: Any) -> Any:
@@ -79,40 +90,41 @@ class _CopyStream:
     """
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
-        self.compute = torch.cuda.current_stream(device)
+        self.module = torch.get_device_module(device)
+        self.stream = self.module.Stream(device)
+        self.compute = self.module.current_stream(device)
 
-    def place(self, place_batch: Callable[[Any], Any], batch: Any) -> tuple[Any, torch.cuda.Event]:
+    def place(self, place_batch: Callable[[Any], Any], batch: Any) -> tuple[Any, torch.Event]:
         """(the batch on the device, the event its copy and layout end at), queued on the copy stream."""
         # Images decoded on the GPU (data.decode=device) are complete already, but made on
         # another stream: the layout change reads them here, so their memory waits for it.
         _used_on(self.stream, batch)
-        with torch.cuda.stream(self.stream):
+        with self.module.stream(self.stream):
             moved = place_batch(batch)
-            copied = torch.cuda.Event()
+            copied = self.module.Event()
             copied.record()
         return moved, copied
 
-    def ready(self, moved: Any, copied: torch.cuda.Event) -> Any:
+    def ready(self, moved: Any, copied: torch.Event) -> Any:
         """The batch, for the compute stream's next step: after its copy, its memory held for it."""
         self.compute.wait_event(copied)
         _used_on(self.compute, moved)
         return moved
 
 
-def _used_on(stream: torch.cuda.Stream, value: Any) -> None:
-    """Each GPU tensor of value recorded as used on `stream`: its memory outlasts the work queued there."""
+def _used_on(stream: torch.Stream, value: Any) -> None:
+    """Each device tensor of value recorded as used on `stream`: its memory outlasts the work queued there."""
 
     def record(tensor: torch.Tensor) -> None:
-        if tensor.is_cuda:
+        if tensor.device.type != "cpu":
             tensor.record_stream(stream)
 
     map_tensors(record, value)
 
 
-def _recorded_event() -> torch.cuda.Event:
-    """A timing event recorded on the current (compute) stream: no synchronisation, read later."""
-    event = torch.cuda.Event(enable_timing=True)
+def _recorded_event(module: Any) -> torch.Event:
+    """A timing event recorded on the device's current (compute) stream: no synchronisation, read later."""
+    event = module.Event(enable_timing=True)
     event.record()
     return event
 
@@ -161,7 +173,9 @@ class NativeRuntime(HostCollectives):
 
     def accelerator_type(self) -> str | None:
         # The GPU's name, for MFU's peak table (observe.chips); a CPU has none.
-        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cpu":
+            return None
+        return torch.get_device_module(self.device).get_device_name(self.device)
 
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         pass
@@ -181,7 +195,8 @@ class NativeRuntime(HostCollectives):
             yield from map(self.place_batch, batches)  # the batch is where the model is
             return
         # Events on the compute stream at each step's start and end (observe.idle).
-        gaps = None if wait is None else EventGaps(wait, _recorded_event)
+        module = torch.get_device_module(self.device)
+        gaps = None if wait is None else EventGaps(wait, lambda: _recorded_event(module))
         if wait is not None:
             wait.gaps = gaps
         # One batch ahead, on a stream of its own: the next batch's copy overlaps this one's step.
@@ -240,24 +255,26 @@ class NativeRuntime(HostCollectives):
         return self.gather_host(tag, host_copy(state))
 
     def rng_state(self) -> int:
-        # The CPU generator is checkpointed as torch's own; a GPU's is its seed and offset.
-        if self.device.type != "cuda":
+        # The CPU generator is checkpointed as torch's own; a device's is its seed and offset.
+        if self.device.type == "cpu":
             return 0
-        return int.from_bytes(bytes(torch.cuda.get_rng_state(self.device).tolist()), "little")
+        state = torch.get_device_module(self.device).get_rng_state(self.device)
+        return int.from_bytes(bytes(state.tolist()), "little")
 
     def set_rng_state(self, state: int) -> None:
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             return
+        module = torch.get_device_module(self.device)
         if state < 2**64:
-            # A seed (an XLA run's checkpoint, or a GPU state at offset 0: the same thing).
-            torch.cuda.manual_seed(state)
+            # A seed (an XLA run's checkpoint, or a device state at offset 0: the same thing).
+            module.manual_seed(state)
             return
-        raw = state.to_bytes(CUDA_RNG_STATE_BYTES, "little")
-        torch.cuda.set_rng_state(torch.tensor(list(raw), dtype=torch.uint8), self.device)
+        raw = state.to_bytes(DEVICE_RNG_STATE_BYTES, "little")
+        module.set_rng_state(torch.tensor(list(raw), dtype=torch.uint8), self.device)
 
     def wait_device_ops(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
 
     def compilations(self) -> int:
         return 0  # eager: nothing is compiled
