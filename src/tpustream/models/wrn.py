@@ -1,6 +1,12 @@
-"""The seed's WideResNet: the 103M-parameter model of its TPU-vs-GPU epoch-time study.
+"""wrn_seed: the 103M-parameter wide ResNet of the epoch-time study tpustream was seeded from.
 
-The seed built it in Keras and published only its summary: k=7, N=4, 7x7
+"seed" names that study, not a random seed: a Keras comparison of TPU and GPU
+epoch times on CIFAR-100 over batch sizes 64 to 4,096, with validation,
+augmentation, in-memory data and loader workers switched on and off
+(bench.epoch_time reruns it; docs/benchmarks.md). The model is kept under
+that name so the study's runs can be repeated with ``model=wrn_seed``.
+
+The study built it in Keras and published only its summary: k=7, N=4, 7x7
 convolutions, 1x1 convolutions between stages, average-pool downsampling,
 100 classes, 103,465,028 parameters of which 103,452,484 trainable. This is
 the one layout of that description whose counts come out exactly (the test
@@ -43,6 +49,8 @@ class PreActBlock(nn.Module):
 
 
 class SeedWideResNet(nn.Module):
+    """A 1x1 stem, three stages of pre-activation blocks (widths base x k x 1, 2, 4), a linear head."""
+
     def __init__(self, *, num_classes: int, channels: int, k: int, n: int, kernel_size: int, base_width: int):
         super().__init__()
         widths = [base_width * k * 2**stage for stage in range(3)]
@@ -71,7 +79,7 @@ def wrn_seed(
     kernel_size: int = 7,
     base_width: int = 16,
 ) -> nn.Module:
-    """k widens (stage widths 16k, 32k, 64k), n blocks per stage; the defaults are the seed's.
+    """k widens (stage widths 16k, 32k, 64k), n blocks per stage; the defaults are the study's model.
 
     Smaller k/n/kernel_size give the same architecture at a size the XLA CPU
     device trains in seconds.
