@@ -115,7 +115,7 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
 
 def computed_rows(configs: dict[str, TrainConfig], device_counts: list[int]) -> list[dict]:
     """ddp per device, from the shapes of the parameters and of the primed state."""
-    from tpustream.training.optim import build_optimizer, prime_optimizer_state
+    from tpustream.training.optimizer import build_optimizer, prime_optimizer_state
 
     # Shapes only: the meta device allocates nothing.
     with torch.device("meta"):
@@ -152,7 +152,7 @@ def computed_rows(configs: dict[str, TrainConfig], device_counts: list[int]) -> 
 
 def measure_spmd_fsdp(runtime: SpmdRuntime, configs: dict[str, TrainConfig]) -> dict:
     from tpustream.runtime.spmd import device_bytes
-    from tpustream.training.optim import build_optimizer, prime_optimizer_state
+    from tpustream.training.optimizer import build_optimizer, prime_optimizer_state
     from tpustream.training.spmd import shard_model, shard_optimizer_state
 
     cfg = configs["sgd"]
@@ -169,7 +169,7 @@ def measure_spmd_fsdp(runtime: SpmdRuntime, configs: dict[str, TrainConfig]) -> 
 
 def measure_spmd(runtime: SpmdRuntime, configs: dict[str, TrainConfig]) -> dict:
     from tpustream.runtime.spmd import device_bytes
-    from tpustream.training.optim import build_optimizer, prime_optimizer_state
+    from tpustream.training.optimizer import build_optimizer, prime_optimizer_state
 
     model = make_model(configs["sgd"])
     result = dict.fromkeys(["param_bytes", *(f"{name}_state_bytes" for name in OPTIMIZERS)], 0)

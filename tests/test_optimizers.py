@@ -20,12 +20,14 @@ from tests.conftest import REPO, xla_cpu_env
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import ConfigError
 from tpustream.launch import prepare, resolve_config
-from tpustream.training.optim import (
+from tpustream.training.optimizer import (
+    LAMB,
+    LARS,
     build_optimizer,
+    clip_gradient_norm,
     prime_optimizer_state,
     set_learning_rate,
 )
-from tpustream.training.optimizers import LAMB, LARS, clip_gradient_norm
 from tpustream.training.schedule import LRSchedule, make_schedule, xla_safe_scalar
 
 LRS = (0.5, 0.3, 0.1)  # a changing learning rate: LARS keeps it inside the momentum buffer
@@ -290,8 +292,8 @@ XLA_SCRIPT = """
 import sys
 import numpy as np, torch, torch_xla, torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs, torch_xla.runtime as xr
-from tpustream.training.optimizers import LAMB, LARS, clip_gradient_norm
-from tpustream.training.optim import prime_optimizer_state
+from tpustream.training.optimizer import LAMB, LARS, clip_gradient_norm
+from tpustream.training.optimizer import prime_optimizer_state
 
 spmd = sys.argv[1] == "spmd"
 if spmd:
@@ -545,7 +547,7 @@ XLA_LAYER_DECAY_SCRIPT = """
 import sys
 import torch, torch_xla, torch_xla.debug.metrics as met
 from tests.test_optimizers import config, tiny_vit
-from tpustream.training.optim import build_optimizer, prime_optimizer_state, set_learning_rate
+from tpustream.training.optimizer import build_optimizer, prime_optimizer_state, set_learning_rate
 from tpustream.training.schedule import make_schedule
 
 for name in sys.argv[1:]:

@@ -10,7 +10,7 @@ import pytest
 from tests.fake_runtime import tiny_config
 from tpustream.checkpoint import LAST, checkpoint_url, load_checkpoint
 from tpustream.config import EpochsChange, Schedule
-from tpustream.training import step as step_module
+from tpustream.training import trainer as step_module
 from tpustream.training.schedule import (
     SchedulePhase,
     continued_phase,

@@ -18,7 +18,7 @@ from tests.conftest import run_train
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import PREEMPTED_EXIT_CODE
-from tpustream.training.optim import (
+from tpustream.training.optimizer import (
     build_optimizer,
     prime_optimizer_state,
 )

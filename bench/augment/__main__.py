@@ -104,7 +104,7 @@ def settings(args: argparse.Namespace) -> dict:
         "device_batches": DEVICE_BATCHES,
         "device_timing": "per step: trace + torch_xla.sync() + wait_device_ops(); off / on alternating; "
         "medians reported",
-        "optimizer": "AdamW(lr=1e-4, weight_decay=0.05), state primed (tpustream.training.optim)",
+        "optimizer": "AdamW(lr=1e-4, weight_decay=0.05), state primed (tpustream.training.optimizer)",
         **{name: getattr(args, name) for name in SIZES},
         "models": args.models,
         "eager": args.eager,

@@ -33,7 +33,7 @@ from bench.pipeline.harness import ForeignCpu
 from bench.pipeline.imagenet_configs import MEAN, STD
 from tpustream.augment.transform import DRAW_KEYS, DeviceAugment
 from tpustream.training.normalize import Normalizer
-from tpustream.training.optim import prime_optimizer_state
+from tpustream.training.optimizer import prime_optimizer_state
 
 FORMS = ("off", "on")
 # The draws each part of the augmentation reads: DeviceAugment applies the

@@ -10,7 +10,8 @@
   (log, TensorBoard, metrics.jsonl);
 - ``debug``: the debug.* checks (recompilations, replicas in sync, sample logs);
 - ``source``: ``EpochSource``, what the trainer needs from a split's batches;
-- ``optim``: the optimizer (parameter groups, primed state) and its learning-rate schedule.
+- ``optimizer``: the optimizer (LARS and LAMB, parameter groups, primed state, the step's lr);
+  ``schedule`` draws the learning rate.
 """
 
 from __future__ import annotations

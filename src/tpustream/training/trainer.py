@@ -4,8 +4,7 @@ Built once per replica. The step function touches only device tensors; the
 loss is read on the host only at logging steps (through a step closure, after
 the step has run) and metrics are reduced once per epoch. What a checkpoint
 holds is ``state``'s, what an epoch reports is ``report``'s, the debug checks
-are ``debug``'s, the step's hooks ``step``'s (inherited); this module is the
-loop and the strategy's hooks. Subclasses change
+are ``debug``'s; this module is the step, the loop and the strategy's hooks. Subclasses change
 one hook (``wrap_model``, ``run_optimizer``, ``model_and_optimizer_state``, ...) to make a
 variant: ``Fsdp2Trainer`` (module ``fsdp2``, ``strategy=fsdp`` on the native runtime) and
 ``SpmdTrainer`` / ``SpmdFsdpTrainer`` (module ``spmd``).
@@ -13,16 +12,19 @@ variant: ``Fsdp2Trainer`` (module ``fsdp2``, ``strategy=fsdp`` on the native run
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tpustream import checkpoint, preemption, progress
 from tpustream.augment.transform import DeviceAugment
-from tpustream.config import TrainConfig
+from tpustream.config import Precision, TrainConfig
 from tpustream.observe.best import selected_accuracy
 from tpustream.observe.timing import LoopTimer, reduce_breakdowns
 from tpustream.runtime import Runtime
@@ -32,7 +34,7 @@ from tpustream.training.epoch_checks import check_epoch, first_distinct
 from tpustream.training.epoch_order import data_plan
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
-from tpustream.training.optim import build_optimizer, prime_optimizer_state
+from tpustream.training.optimizer import build_optimizer, prime_optimizer_state, set_learning_rate
 from tpustream.training.periodic import itstime
 from tpustream.training.replicas import average_floating_buffers, gather_replica_parts, restore_replica_part
 from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
@@ -47,7 +49,6 @@ from tpustream.training.state import (
     plain_optimizer_state_fits,
     restore_rng,
 )
-from tpustream.training.step import StepHooks
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 ResumeFrom = tuple[dict[str, Any], str]
 
 
-class Trainer(StepHooks):
+class Trainer:
     """One replica's training (strategy=ddp).
 
     Built once per replica; the same code on a TPU pod and in the simulation.
@@ -137,6 +138,81 @@ class Trainer(StepHooks):
             self.ema = WeightAverage(cfg.ema, average, runtime, self.global_step)
         if resume_from is not None and self.per_replica_state:
             restore_replica_part(resume_from[0].get("replicas"), runtime, self.buffer_modules())
+
+    # -- the step ---------------------------------------------------------------
+    # One compiled step: the learning rate set, gradients zeroed, the batch augmented on
+    # the device, the micro-batches' losses back-propagated (their gradients add up), the
+    # optimizer run across replicas and the weight average updated. Nothing here reads a
+    # value on the host. A strategy changes a hook (loss_denominator, replica_samples,
+    # run_optimizer, ...); the loop around it is train_epoch.
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bfloat16 compute under precision=bf16; weights and the loss stay float32."""
+        return torch.autocast(
+            self.runtime.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == Precision.bf16
+        )
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of a (micro-)batch's real samples, summed and divided by the replica batch.
+
+        Padding and filler samples weigh zero; dividing by the static
+        per-replica batch size (``loss_denominator``; not the count of real
+        samples, nor the micro-batch size) gives every real sample the same weight 1 /
+        global_batch once the micro-batches' gradients are summed and
+        xm.optimizer_step averages replicas.
+        """
+        with self.autocast():
+            # "input": the augmented batch's (normalised and augmented already).
+            inputs = batch["input"] if "input" in batch else self.normalize(batch["image"])
+            logits = self.model(inputs)
+        return (self.per_sample_loss(logits.float(), batch) * batch["real"]).sum() / self.loss_denominator()
+
+    def per_sample_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy per sample: against soft targets when augment.* mixes, label-smoothed either way."""
+        if self.augment is not None:
+            return self.augment.loss(logits, batch)
+        return F.cross_entropy(
+            logits, batch["label"], reduction="none", label_smoothing=self.cfg.optim.label_smoothing
+        )
+
+    def replica_samples(self, batch: dict[str, torch.Tensor]) -> int:
+        """Samples of this step that this replica loaded (its rate; the global rate sums replicas)."""
+        return batch["label"].shape[0]
+
+    def loss_denominator(self) -> int:
+        """The samples one step's gradient averages over, as this replica's share: the per-replica
+        batch (xm.optimizer_step averages replicas); all of it for a step over the global batch."""
+        return self.cfg.batch_size
+
+    def split_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """micro_batches equal slices of the replica's batch (static shapes: one graph)."""
+        count = self.cfg.micro_batches
+        if count == 1:
+            yield batch
+            return
+        size = self.cfg.batch_size // count
+        for index in range(count):
+            yield {name: tensor.narrow(0, index * size, size) for name, tensor in batch.items()}
+
+    def step_fn(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        set_learning_rate(self.optimizer, self.schedule(self.global_step))
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.augment is not None:
+            batch = self.augment(batch)  # the step's whole batch: pairs within each device's
+        # Gradients of the micro-batches add up in .grad; the Python loop is
+        # unrolled into the step's one graph.
+        total = None
+        for micro_batch in self.split_micro_batches(batch):
+            loss = self.compute_loss(micro_batch)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        self.run_optimizer()
+        self.after_optimizer_step()
+        return total
+
+    def after_optimizer_step(self) -> None:
+        """Traced into the step after the update: the weight average follows the new weights."""
+        if self.ema is not None:
+            self.ema.update(self.model)
 
     # -- hooks: the strategy -------------------------------------------------
     def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
