@@ -342,14 +342,11 @@ def known_devices_per_replica(cfg: TrainConfig) -> int | None:
     return cfg.accelerator.num_devices if cfg.accelerator.device == Device.CPU else None
 
 
-def check_data(
-    cfg: TrainConfig,
-    train: ShardManifest,
-    val: ShardManifest,
-    world_size: int | None,
-    devices_per_replica: int | None = 1,
-) -> None:
-    """Checks of the data against the config; world_size None = not known before spawn."""
+def check_data(cfg: TrainConfig, train: ShardManifest, val: ShardManifest) -> None:
+    """The splits against the config and each other, and the model on their shapes; once, before spawning.
+
+    What needs the number of replicas is check_replica_share's.
+    """
     for manifest, key in ((train, "train_shards"), (val, "val_shards")):
         if manifest.image_size is None:
             raise ConfigError(
@@ -380,8 +377,18 @@ def check_data(
         library=cfg.model.library,
         layer_groups=cfg.optim.layer_decay_on(),
     )
+
+
+def check_replica_share(
+    cfg: TrainConfig, train: ShardManifest, world_size: int, devices_per_replica: int
+) -> None:
+    """Each replica's share of the training split holds a batch, and the epoch's layout is possible.
+
+    Before spawning when the replicas are known there (known_world_size), else
+    in each replica once they are (a TPU pod's).
+    """
     # A synthetic stand-in (data.synthetic without shards) has no samples to share out.
-    if world_size is not None and devices_per_replica is not None and train.shards:
+    if train.shards:
         share = train.num_samples // world_size
         batch = replica_batch_size(cfg, devices_per_replica)
         if batch > share:

@@ -27,6 +27,7 @@ from tpustream.launch.checks import (
     check_config,
     check_data,
     check_environment,
+    check_replica_share,
     check_run_folders,
     known_devices_per_replica,
     known_world_size,
@@ -169,7 +170,10 @@ def read_splits(typed: TrainConfig, plain: dict[str, Any]) -> tuple[ShardManifes
         raise_if_stop_requested("while the training split was read")
         val = load_split_on_this_host(typed.data.val_shards, "validation", options)
     raise_if_stop_requested("while the validation split was read")
-    check_data(typed, train, val, known_world_size(typed), known_devices_per_replica(typed))
+    check_data(typed, train, val)
+    world_size, devices = known_world_size(typed), known_devices_per_replica(typed)
+    if world_size is not None and devices is not None:
+        check_replica_share(typed, train, world_size, devices)
     for manifest in () if typed.data.synthetic else (train, val):
         log.info(
             "%s: %d samples in %d shard(s), %dx%d images; counts from %s",

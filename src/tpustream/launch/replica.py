@@ -14,7 +14,12 @@ from tpustream.config import DataConfig, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.plan import describe_sharing
 from tpustream.errors import ConfigError
-from tpustream.launch.checks import check_data, replica_batch_size
+from tpustream.launch.checks import (
+    check_replica_share,
+    known_devices_per_replica,
+    known_world_size,
+    replica_batch_size,
+)
 from tpustream.launch.plan import RunPlan
 from tpustream.launch.run_model import model_builder
 from tpustream.launch.synthetic import make_synthetic_sources
@@ -167,13 +172,15 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     from tpustream.observe import start_profiler
     from tpustream.observe.flops import training_flops_per_sample
     from tpustream.training import make_trainer
+    from tpustream.training.report import InputLayout
 
     cfg = plan.cfg
     devices = runtime.local_devices
     mesh = f", driving {devices} devices as one GSPMD program" if devices > 1 else ""
     where = (runtime.rank, runtime.world_size, runtime.device, os.getpid(), mesh)
     log.info("replica %d of %d on %s (pid %d)%s", *where)
-    check_data(cfg, plan.train, plan.val, runtime.world_size, runtime.local_devices)
+    if known_world_size(cfg) is None or known_devices_per_replica(cfg) is None:  # not checked before spawning
+        check_replica_share(cfg, plan.train, runtime.world_size, runtime.local_devices)
     check_same_counts(runtime, plan.train, plan.val)
     torch.manual_seed(cfg.seed)  # reproducible initial weights (broadcast from the master anyway)
     # Device randomness (dropout and the like) differs per replica, reproducibly.
@@ -213,12 +220,13 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             started_at=plan.started_at,
             model_flops=model_flops,
             partition=partition.as_dict() if partition is not None else None,
+            input_layout=InputLayout(
+                shards_per_replica=len(plan.train.shards) / runtime.world_size,
+                max_workers=partition.per_replica(runtime.world_size) if partition is not None else None,
+                local_replicas=local_replicas(cfg),
+            ),
         )
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
-        trainer.reporter.shards_per_replica = len(plan.train.shards) / runtime.world_size
-        trainer.reporter.local_replicas = local_replicas(cfg)
-        if partition is not None:
-            trainer.reporter.max_workers = partition.per_replica(runtime.world_size)
         summary = trainer.fit()
     finally:
         if streams is not None:

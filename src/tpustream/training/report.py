@@ -212,6 +212,15 @@ class RateTracker:
         return (self.total + self.pending) / elapsed if elapsed > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class InputLayout:
+    """How the training input is spread over this host, for the advice on workers (launch knows it)."""
+
+    shards_per_replica: float | None = None  # the training split's shards per replica
+    max_workers: int | None = None  # a replica's canonical streams, when the run has them
+    local_replicas: int | None = None  # replica processes sharing this host's vCPUs
+
+
 class EpochReporter:
     """One replica's log lines and, on the master, TensorBoard scalars and the run folder's files."""
 
@@ -222,9 +231,11 @@ class EpochReporter:
         runtime: Runtime,
         started_at: float | None = None,
         model_flops: int | None = None,
+        input_layout: InputLayout | None = None,
     ):
         self.cfg = cfg
         self.model_flops = model_flops
+        self.input_layout = input_layout or InputLayout()
         self.chip = chip_from_accelerator_type(runtime.accelerator_type())
         self.config_dict = config_dict
         self.runtime = runtime
@@ -234,10 +245,6 @@ class EpochReporter:
         # Process start (train.py) to the first loop of this process, once.
         self.started_at = started_at
         self.setup_seconds: float | None = None
-        # The training split's shards per replica, for the advice (the launcher sets it).
-        self.shards_per_replica: float | None = None
-        self.max_workers: int | None = None  # a replica's canonical streams, when the run has them
-        self.local_replicas: int | None = None  # replicas sharing this host's vCPUs (the launcher sets it)
 
     def mark_setup_done(self) -> None:
         """Set-up ends where this process's first loop starts (what the epoch-time benchmark reads)."""
@@ -401,9 +408,9 @@ class EpochReporter:
                 history,
                 data.num_workers,
                 usable_cpus(),
-                self.shards_per_replica,
-                self.max_workers,
-                local_replicas=self.local_replicas,
+                self.input_layout.shards_per_replica,
+                self.input_layout.max_workers,
+                local_replicas=self.input_layout.local_replicas,
                 gpu_could_decode=gpu_could_decode and data.decode == Decode.host,
                 gpu_decodes=data.decode == Decode.device,
                 saving=SavingSettings(self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint.asynchronous),

@@ -37,7 +37,7 @@ from tpustream.training.normalize import Normalizer
 from tpustream.training.optimizer import build_optimizer, prime_optimizer_state, set_learning_rate
 from tpustream.training.periodic import itstime
 from tpustream.training.replicas import average_floating_buffers, gather_replica_parts, restore_replica_part
-from tpustream.training.report import EpochRecord, EpochReporter, RateTracker
+from tpustream.training.report import EpochRecord, EpochReporter, InputLayout, RateTracker
 from tpustream.training.saving import CheckpointWriter
 from tpustream.training.schedule import LearningRate
 from tpustream.training.source import EpochSource
@@ -87,6 +87,7 @@ class Trainer:
         started_at: float | None = None,
         model_flops: int | None = None,
         partition: dict[str, int] | None = None,
+        input_layout: InputLayout | None = None,
     ):
         self.cfg = cfg
         self.partition = partition  # the training order's (data.read.plan), for the data plan
@@ -121,7 +122,7 @@ class Trainer:
         self.steps_per_epoch = train_loader.steps
         self.schedule = LearningRate(cfg, self.steps_per_epoch, runtime.world_size * runtime.local_devices)
         self.checkpoints = CheckpointWriter(cfg, runtime)
-        self.reporter = EpochReporter(cfg, config_dict, runtime, started_at, model_flops)
+        self.reporter = EpochReporter(cfg, config_dict, runtime, started_at, model_flops, input_layout)
         self.replica_rates: list[float] = []
         # The first shards with bad data in the last pass of each split, over all replicas.
         self.bad_shards: dict[str, list[str]] = {"train": [], "validation": []}
