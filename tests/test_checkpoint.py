@@ -20,29 +20,11 @@ from tpustream.checkpoint import (
     load_checkpoint,
     read_metrics,
     resolve_resume,
-    save_checkpoint,
     write_config,
+    write_host_state,
     write_metrics,
 )
 from tpustream.errors import ConfigError, StorageError
-
-
-class HostRuntime:
-    """The Runtime methods checkpointing uses, for one replica on the host."""
-
-    def __init__(self, rank: int = 0):
-        self.rank = rank
-        self.barriers: list[str] = []
-
-    @property
-    def is_master(self) -> bool:
-        return self.rank == 0
-
-    def state_to_host(self, state):
-        return state if self.is_master else None
-
-    def barrier(self, tag: str) -> None:
-        self.barriers.append(tag)
 
 
 def sample_state(epoch: int = 3) -> dict:
@@ -63,12 +45,10 @@ def output_dir(request, tmp_path):
 
 
 def test_round_trip_layout_and_resume_auto(output_dir):
-    runtime = HostRuntime()
     assert resolve_resume("auto", output_dir) is None
     url = checkpoint_url(output_dir, LAST)
     assert url == storage.join(output_dir, "checkpoints", "last.pt")
-    assert save_checkpoint(runtime, url, sample_state()) == []
-    assert runtime.barriers == [f"checkpoint:{url}"]
+    assert write_host_state(url, sample_state()) == []
     assert resolve_resume("auto", output_dir) == url
     loaded = load_checkpoint(url)
     assert loaded["epoch"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(1000.0))
@@ -80,17 +60,11 @@ def test_round_trip_layout_and_resume_auto(output_dir):
     assert storage.list_names(storage.join(output_dir, "checkpoints")) == ["last.pt"]
 
 
-def test_only_the_master_writes_but_everyone_waits(tmp_path):
-    worker = HostRuntime(rank=1)
-    save_checkpoint(worker, str(tmp_path / "x.pt"), sample_state())
-    assert not (tmp_path / "x.pt").exists() and worker.barriers
-
-
 def test_bfloat16_weights_come_back_as_bfloat16_bit_for_bit(tmp_path):
     """No float32 round trip on the way (xm.save converts under XLA_USE_BF16)."""
     model = torch.nn.Linear(7, 3).to(torch.bfloat16)
     state = {**sample_state(), "model": model.state_dict()}
-    save_checkpoint(HostRuntime(), str(tmp_path / "bf16.pt"), state)
+    write_host_state(str(tmp_path / "bf16.pt"), state)
     loaded = load_checkpoint(str(tmp_path / "bf16.pt"))["model"]
     assert {t.dtype for t in loaded.values()} == {torch.bfloat16}
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
@@ -150,9 +124,8 @@ def test_damage_is_detected_with_a_clear_message(tmp_path):
 
 def test_resume_auto_falls_back_to_best_and_never_silently_past_damaged_checkpoints(tmp_path, caplog):
     out = str(tmp_path / "run")
-    runtime = HostRuntime()
-    save_checkpoint(runtime, checkpoint_url(out, BEST), sample_state(epoch=2))
-    save_checkpoint(runtime, checkpoint_url(out, LAST), sample_state(epoch=3))
+    write_host_state(checkpoint_url(out, BEST), sample_state(epoch=2))
+    write_host_state(checkpoint_url(out, LAST), sample_state(epoch=3))
     last = tmp_path / "run" / "checkpoints" / "last.pt"
     last.write_bytes(flip_byte_in_tensor_data(last.read_bytes()))
     with caplog.at_level(logging.ERROR):
@@ -180,7 +153,6 @@ def test_resume_auto_falls_back_to_best_and_never_silently_past_damaged_checkpoi
 
 
 def test_a_failed_write_keeps_the_checkpoint_locally_and_says_where(tmp_path, monkeypatch, caplog):
-    runtime = HostRuntime()
 
     def fail(url, data):
         raise StorageError(f"{url}: HTTPConnectionPool: connection refused")
@@ -188,13 +160,12 @@ def test_a_failed_write_keeps_the_checkpoint_locally_and_says_where(tmp_path, mo
     monkeypatch.setattr(storage, "write_bytes_verified", fail)
     url = "gs://bkt/run/checkpoints/last.pt"
     with caplog.at_level(logging.ERROR):
-        kept = save_checkpoint(runtime, url, sample_state(), fallback_dir=str(tmp_path / "unsaved"))
+        kept = write_host_state(url, sample_state(), fallback_dir=str(tmp_path / "unsaved"))
     assert kept == [str(tmp_path / "unsaved" / "gs" / "bkt" / "run" / "checkpoints" / "last.pt")]
     assert load_checkpoint(kept[0])["epoch"] == 3
     assert f"could not write {url}" in caplog.text and kept[0] in caplog.text
-    assert runtime.barriers  # peers are not left waiting for the master
     with pytest.raises(StorageError, match="connection refused"):
-        save_checkpoint(runtime, url, sample_state())  # without a fallback folder the error is raised
+        write_host_state(url, sample_state())  # without a fallback folder the error is raised
 
 
 def test_run_folder_files(output_dir):
@@ -250,15 +221,14 @@ def test_a_checkpoint_and_its_copies_are_serialised_once(tmp_path, monkeypatch, 
     monkeypatch.setattr(
         checkpoint_module, "encode_checkpoint", lambda state: encoded.append(1) or encode(state)
     )
-    runtime = HostRuntime()
     out = str(tmp_path / "run")
     last, best = checkpoint_url(out, LAST), checkpoint_url(out, BEST)
-    assert save_checkpoint(runtime, last, sample_state(epoch=2), copies=[best]) == []
+    assert write_host_state(last, sample_state(epoch=2), copies=[best]) == []
     assert len(encoded) == 1 and storage.read_bytes(best) == storage.read_bytes(last)
     assert load_checkpoint(best)["epoch"] == 2
     # A copy that fails is written from the bytes in hand instead.
     monkeypatch.setattr(storage, "copy", lambda source, url: (_ for _ in ()).throw(StorageError("no copy")))
     with caplog.at_level(logging.WARNING):
-        save_checkpoint(runtime, last, sample_state(epoch=3), copies=[best])
+        write_host_state(last, sample_state(epoch=3), copies=[best])
     assert load_checkpoint(best)["epoch"] == 3 and len(encoded) == 2
     assert f"could not copy {last} to {best} (no copy); writing it" in caplog.text

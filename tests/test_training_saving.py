@@ -49,6 +49,35 @@ def state_of(weights: torch.Tensor, step: int = 1) -> dict:
     return {"model": {"w": weights}, "global_step": step, "position": {"epoch": 0, "step": step}}
 
 
+def test_only_the_master_writes_and_every_replica_waits_for_the_write(tmp_path, monkeypatch):
+    """A synchronous save: the master writes, then every replica meets it at a barrier."""
+    written: list[str] = []
+    original = storage.write_bytes_verified
+    monkeypatch.setattr(
+        storage, "write_bytes_verified", lambda url, data: written.append(url) or original(url, data)
+    )
+    world = FakeWorld(2)
+    cfg = tiny_config(str(tmp_path / "run"), **{"checkpoint.asynchronous": False})
+    cfg.log_dir = str(tmp_path / "logs")
+    runtimes = [FakeRuntime(world, rank) for rank in range(2)]
+
+    def replica(runtime: FakeRuntime) -> None:
+        world.bind(runtime.rank)
+        writer = CheckpointWriter(cfg, runtime)
+        writer.save(LAST, lambda: state_of(torch.ones(2)), position=(1, 0, 1))
+        writer.wait_durable()
+
+    threads = [threading.Thread(target=replica, args=(runtime,)) for runtime in runtimes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    url = checkpoint_url(str(tmp_path / "run"), LAST)
+    assert written == [url]
+    for runtime in runtimes:
+        assert f"barrier:checkpoint:{url}" in runtime.collectives
+
+
 def test_training_goes_on_while_the_save_is_written_and_the_file_holds_the_state_taken(tmp_path, held_writes):
     release, _ = held_writes
     writer = make_writer(tmp_path)

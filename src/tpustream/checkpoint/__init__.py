@@ -41,7 +41,6 @@ from tpustream.checkpoint.fingerprint import (  # noqa: F401  (re-exported)
     schema_defaults,
 )
 from tpustream.errors import ConfigError, StorageError
-from tpustream.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -146,28 +145,8 @@ def describe_load_error(exc: Exception) -> str:
 
 
 def load_checkpoint(url: str) -> dict[str, Any]:
-    """Read and verify a checkpoint written by save_checkpoint (tensors on the CPU)."""
+    """Read and verify a checkpoint written by write_host_state (tensors on the CPU)."""
     return decode_checkpoint(storage.read_bytes(url), url)
-
-
-def save_checkpoint(
-    runtime: Runtime,
-    url: str,
-    state: dict[str, Any],
-    fallback_dir: str | None = None,
-    copies: Sequence[str] = (),
-) -> list[str]:
-    """Write state to url, and to each of copies, from the master replica; every replica must call this.
-
-    Every replica waits at a barrier until the writes are done, so none runs
-    ahead or exits before them (xm.save does not: it leaves the rendezvous to its caller).
-    The paths where failed writes were kept are returned (write_host_state).
-    checkpoint.background writes the same way without the wait.
-    """
-    host_state = runtime.state_to_host(state)
-    kept = [] if host_state is None else write_host_state(url, host_state, fallback_dir, copies)
-    runtime.barrier(f"checkpoint:{url}")
-    return kept
 
 
 def write_host_state(

@@ -71,7 +71,7 @@ class TrainState:
         replicas: list[Any] | None = None,
         schedule_phase: dict[str, float] | None = None,
     ) -> dict[str, Any]:
-        """The checkpoint's content (checkpoint.save_checkpoint adds version and integrity)."""
+        """The checkpoint's content (checkpoint.encode_checkpoint adds version and integrity)."""
         return {
             "position": {"epoch": self.epoch, "step": self.step},
             "epoch": self.epoch - 1,  # the last completed (trained and evaluated) epoch
