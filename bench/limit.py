@@ -117,7 +117,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def check_runnable(overrides: Sequence[str]) -> None:
     """Compose the overrides as train.py would and list the real run's shards; or exit in one line."""
-    from tpustream.data.resolve.spec import expand_spec
+    from tpustream.data.resolve.shard_spec import expand_spec
     from tpustream.errors import ConfigError
 
     try:

@@ -14,7 +14,7 @@ Each order is built by the code that makes it in a run:
     per-reader   data.streams=0 (the plan before canonical streams): replica r
                  a contiguous range, its worker w a contiguous run of whole
                  batches, each worker a shuffle buffer of data.shuffle_buffer
-                 (tpustream.data.read.plan split_by_replica / split_by_worker,
+                 (tpustream.data.read.layout split_by_replica / split_by_worker,
                  stages.shuffle_samples, ShardStream's generators).
     canonical    data.streams=auto for that shape (partition.choose_partition): C
                  streams, each a contiguous range with a buffer of
@@ -50,8 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from tpustream.data.format.manifest import ShardInfo
-from tpustream.data.read.partition import choose_partition
-from tpustream.data.read.plan import (
+from tpustream.data.read.layout import (
     CanonicalPartition,
     SampleSpan,
     order_shards,
@@ -60,6 +59,7 @@ from tpustream.data.read.plan import (
     split_by_worker,
     stream_spans,
 )
+from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stages import shuffle_samples
 from tpustream.data.read.stream import STREAM_SALT
 

@@ -22,7 +22,7 @@ from tpustream import storage
 from tpustream.checkpoint import BEST, checkpoint_url, load_checkpoint
 from tpustream.data.write.command import main as make_shards_main
 from tpustream.testing.emulator import GcsEmulator
-from tpustream.training.report import EpochRecord
+from tpustream.training.epoch_report import EpochRecord
 
 BUCKET = "tpustream-demo"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

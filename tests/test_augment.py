@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpustream.data.read.augment import random_crop_flip
+from tpustream.data.read.crop_flip import random_crop_flip
 
 
 def test_each_output_is_a_window_of_the_padded_image_possibly_mirrored():

@@ -16,7 +16,7 @@ from bench.epoch_time.collect import HORIZONS, RunResult, project_total, summari
 from bench.epoch_time.plan import SWITCHES, RunSpec, build_plan, cache_key, check_with_hydra, default_name
 from bench.epoch_time.report import CSV_COLUMNS, format_duration, markdown_table, ratios, table_row, write_csv
 from tests.conftest import REPO
-from tpustream.training.report import EpochRecord
+from tpustream.training.epoch_report import EpochRecord
 
 
 def line(epoch: int, train: float, val: float | None = 0.5, **extra) -> EpochRecord:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.shuffle import canonical_order, layout, mixing, per_reader_order, random_order, run
-from tpustream.data.read.plan import CanonicalPartition
+from tpustream.data.read.layout import CanonicalPartition
 
 
 def test_the_simulated_orders_cover_the_epoch_and_the_measures_rank_them():

@@ -20,7 +20,7 @@ from tpustream.checkpoint import (
 from tpustream.config import TrainConfig
 from tpustream.config.keys import FACTS, OnResume, facts_of, flatten, is_known, keys_where, leaf_keys
 from tpustream.launch import resolve_config
-from tpustream.observe.synthetic import the_step
+from tpustream.observe.synthetic_rate import the_step
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,8 +17,8 @@ import torch
 from tests.conftest import crop_stream, encode_image, make_stream, write_tar
 from tpustream.config import DataConfig
 from tpustream.data.read.encoded import CROP_COLUMNS, KIND_JPEG, KIND_PIXELS, encode_crop
+from tpustream.data.read.layout import CanonicalPartition
 from tpustream.data.read.loader import make_loader
-from tpustream.data.read.plan import CanonicalPartition
 from tpustream.data.resolve.split import SplitOptions, load_split
 from tpustream.errors import ConfigError, DataError
 

@@ -22,7 +22,7 @@ from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
 from tpustream.data.format.tar import write_tar
 from tpustream.data.resolve.counting import INDEX_NAME
-from tpustream.data.write.sources import digits_splits
+from tpustream.data.write.image_sources import digits_splits
 
 pytestmark = pytest.mark.slow
 

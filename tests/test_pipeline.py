@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 
 from tests.conftest import make_stream, numbered_samples, png_bytes, solid_image
 from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, write_tar
+from tpustream.data.read.layout import CanonicalPartition
 from tpustream.data.read.loader import CountingLoader, make_loader
-from tpustream.data.read.plan import CanonicalPartition
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.split import load_manifest

@@ -27,7 +27,7 @@ import pytest
 
 from tests.test_pod_commands import OVERRIDES, alive, spec
 from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
-from tpustream.pod import commands, interrupts, sync, workers
+from tpustream.pod import commands, interrupts, supervise, sync
 from tpustream.pod.__main__ import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -389,7 +389,7 @@ def test_ctrl_c_stops_every_worker(gcloud, fake_train, tmp_path, sigint_default,
 
 def _sigint_after_the_first_start(monkeypatch, gcloud, pids) -> None:
     """Between starting worker 0's gcloud and recording it for stopping."""
-    real_start, sent = workers.start, []
+    real_start, sent = supervise.start, []
 
     def start(argv):
         proc = real_start(argv)
@@ -399,12 +399,12 @@ def _sigint_after_the_first_start(monkeypatch, gcloud, pids) -> None:
         return proc
 
     monkeypatch.setenv("FAKE_HANG", "0,1")
-    monkeypatch.setattr(workers, "start", start)
+    monkeypatch.setattr(supervise, "start", start)
 
 
 def _sigint_while_stopping(monkeypatch, gcloud, pids) -> None:
     """As the launcher stops worker 0 because worker 1 failed."""
-    real_stop, sent = workers.stop, []
+    real_stop, sent = supervise.stop, []
 
     def stop(proc):
         if not sent:
@@ -415,7 +415,7 @@ def _sigint_while_stopping(monkeypatch, gcloud, pids) -> None:
     gcloud.script(workers=2, ssh={"1": [1]})
     monkeypatch.setenv("FAKE_HANG", "0")
     monkeypatch.setenv("FAKE_WAIT_PIDS", "2")  # worker 1 fails once both run
-    monkeypatch.setattr(workers, "stop", stop)
+    monkeypatch.setattr(supervise, "stop", stop)
 
 
 class _SigintWhenCollected:
@@ -436,7 +436,7 @@ def _sigint_lost_in_a_del(monkeypatch, gcloud, pids) -> None:
             return super().get(*args, **kwargs)
 
     monkeypatch.setenv("FAKE_HANG", "0,1")
-    monkeypatch.setattr(workers, "queue", types.SimpleNamespace(Queue=Events, Empty=queue.Empty))
+    monkeypatch.setattr(supervise, "queue", types.SimpleNamespace(Queue=Events, Empty=queue.Empty))
 
 
 @pytest.mark.parametrize(
@@ -619,7 +619,7 @@ def test_hangs_count_against_max_restarts(gcloud, fake_train, tmp_path, capfd, c
     ],
 )
 def test_a_hang_names_where_the_stacks_are(command, stacks):
-    result = workers.AttemptResult(exits={1: 0, 0: HUNG_EXIT_CODE})
+    result = supervise.AttemptResult(exits={1: 0, 0: HUNG_EXIT_CODE})
     launched = spec(command=tuple(command), workdir="~/w")
     assert result.restart_cause() == (0, HUNG_EXIT_CODE)
     assert result.restart_reason(launched) == f"worker 0 hung (exit 76; stacks in {stacks})"

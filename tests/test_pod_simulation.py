@@ -21,8 +21,8 @@ import pytest
 
 from tests.conftest import popen_train, run_train, train_command
 from tpustream.checkpoint import load_checkpoint, read_metrics
+from tpustream.data.read.layout import order_shards, plan_layout, stream_spans
 from tpustream.data.read.partition import choose_partition
-from tpustream.data.read.plan import order_shards, plan_layout, stream_spans
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import PREEMPTED_EXIT_CODE

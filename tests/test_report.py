@@ -10,7 +10,7 @@ import pytest
 from tests.fake_runtime import FakeRuntime, FakeWorld, tiny_config
 from tpustream.checkpoint import write_metrics
 from tpustream.config import BestOf
-from tpustream.training.report import EpochRecord, EpochReporter, read_epoch_records
+from tpustream.training.epoch_report import EpochRecord, EpochReporter, read_epoch_records
 
 # A metrics.jsonl line without the optional fields (top-5, EMA, time shares, process), in its key
 # order: run folders written without them must still read back unchanged.

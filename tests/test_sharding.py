@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpustream.data.format.manifest import ShardInfo
-from tpustream.data.read.partition import choose_partition, describe_balance, worker_balance
-from tpustream.data.read.plan import (
+from tpustream.data.read.layout import (
     CanonicalPartition,
     SampleSpan,
     describe_sharing,
@@ -22,6 +21,7 @@ from tpustream.data.read.plan import (
     take_range,
     worker_batches,
 )
+from tpustream.data.read.partition import choose_partition, describe_balance, worker_balance
 from tpustream.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ import torch
 from tests.conftest import run_train
 from tests.fake_runtime import tiny_config, tiny_model
 from tpustream import storage
-from tpustream.data.read.synthetic import SyntheticSource, stand_in_manifest
+from tpustream.data.read.synthetic_batch import SyntheticSource, stand_in_manifest
 from tpustream.errors import ConfigError
 from tpustream.launch import prepare
 from tpustream.launch.synthetic import make_synthetic_sources

@@ -18,11 +18,11 @@ from tests.conftest import run_train
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.config import OptimConfig, OptimizerName, Schedule, TrainConfig
 from tpustream.errors import PREEMPTED_EXIT_CODE
+from tpustream.training.epoch_report import RateTracker
 from tpustream.training.optimizer import (
     build_optimizer,
     prime_optimizer_state,
 )
-from tpustream.training.report import RateTracker
 from tpustream.training.schedule import LRSchedule, peak_learning_rate, xla_safe_scalar
 
 

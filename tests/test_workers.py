@@ -1,4 +1,4 @@
-"""data.num_workers=auto (launch.workers): the count from a measured worker rate and the device's demand."""
+"""data.num_workers=auto (launch.auto_workers): the count from a measured worker rate and the demand."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from tests.fake_runtime import tiny_config
 from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import ConfigError
-from tpustream.launch.workers import (
+from tpustream.launch.auto_workers import (
     AUTO_MFU,
     MAX_AUTO_WORKERS,
     choose_workers,
@@ -84,13 +84,13 @@ def test_auto_is_resolved_in_both_forms_of_the_config_and_a_mid_epoch_resume_kee
     resolve_auto_workers(cfg, plain, train, 1, {"position": {"step": 0}, "data_plan": {"num_workers": 3}})
     assert isinstance(cfg.data.num_workers, int) and cfg.data.num_workers == plain["data"]["num_workers"] >= 1
     # Canonical streams continue with any workers up to a replica's streams: chosen afresh, capped.
-    from tpustream.launch import workers
+    from tpustream.launch import auto_workers as workers
 
     many = workers.WorkerChoice(6, "a machine of many cores")
     monkeypatch.setattr(workers, "choose_workers", lambda **_: many)
     cfg.data.num_workers = plain["data"]["num_workers"] = "auto"
     canonical = {"num_workers": 3, "streams": 8, "stream_buffer": 250, "global_batch": 64}
-    with caplog.at_level("INFO", logger="tpustream.launch.workers"):
+    with caplog.at_level("INFO", logger="tpustream.launch.auto_workers"):
         resolve_auto_workers(cfg, plain, train, 4, {"position": {"step": 5}, "data_plan": canonical})
     assert cfg.data.num_workers == 2  # 8 streams over 4 replicas
     assert "at most 2, the canonical streams each replica reads" in caplog.text

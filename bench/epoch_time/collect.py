@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from bench.epoch_time.plan import NOT_SET, SWITCHES, RunSpec, Switch
 
 if TYPE_CHECKING:  # imported where used: it imports torch, which must not load before a measurement
-    from tpustream.training.report import EpochRecord
+    from tpustream.training.epoch_report import EpochRecord
 
 HORIZONS = (10, 20, 50, 100, 200, 500, 1000, 2000)
 # What torch_xla prints when a persistent cache entry cannot be used (XLA:CPU
@@ -123,7 +123,7 @@ def collect_runs(folders: Sequence[Path]) -> tuple[list[RunResult], Any]:
     from omegaconf import OmegaConf
 
     from tpustream.errors import TpustreamError
-    from tpustream.training.report import read_epoch_records
+    from tpustream.training.epoch_report import read_epoch_records
 
     jobs = sorted({path.parent.parent for folder in folders for path in folder.rglob(".hydra/config.yaml")})
     if not jobs:

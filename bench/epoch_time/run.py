@@ -77,7 +77,7 @@ def run_one(spec: RunSpec, folder: Path, timeout: float | None, keep_checkpoints
     result.stderr_tail = tail(stderr)
     result.stdout_tail = tail(folder / "stdout.log", STDOUT_TAIL_LINES)
     result.deserialize_failures = stderr.read_text(errors="replace").count(DESERIALIZE_FAILURE)
-    from tpustream.training.report import read_epoch_records  # after the measurements: it imports torch
+    from tpustream.training.epoch_report import read_epoch_records  # after the measurements: it imports torch
 
     records = read_epoch_records(str(folder))
     if result.returncode is None:

@@ -13,7 +13,7 @@ than a flat synthetic one (the average PNG size is printed). Labels are the
 digits. "Stock transforms" are PIL decode + convert("RGB") and
 Compose([RandomCrop(32, padding=4), RandomHorizontalFlip(), ToTensor(),
 Normalize(mean, std)]); tpustream applies the same crop/flip/normalise per
-batch (tpustream.data.read.augment). Batches hold 128 samples.
+batch (tpustream.data.read.crop_flip). Batches hold 128 samples.
 
 Configurations (w = DataLoader num_workers, measured with 0 and 2):
 

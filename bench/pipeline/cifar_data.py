@@ -15,7 +15,7 @@ from PIL import Image
 from bench.pipeline.harness import NUM_CLASSES, SEED, check_members, samples_per_shard, upload
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.resolve.split import SplitOptions, load_manifest, load_split
-from tpustream.data.write.sources import SplitSource, digits_splits
+from tpustream.data.write.image_sources import SplitSource, digits_splits
 from tpustream.data.write.writer import encode_image, sample_order, write_split
 
 IMAGE_SIZE = 32

@@ -13,7 +13,7 @@ environment.
 
 This package is the ground floor: everything reads it, and it imports none
 of the code that reads it. A check that needs the data code, a model or
-storage lives beside that package (data.read.checks, models.check_model_config,
+storage lives beside that package (data.read.config_checks, models.check_model_config,
 augment.policies.build_policy) and launch.checks calls it before spawning.
 """
 

@@ -99,7 +99,7 @@ class DataConfig:
     num_workers: Any = setting(
         2,
         "DataLoader worker processes per replica (0 = read in the training process), or auto: chosen at "
-        "start from the pipeline's measured rate (launch.workers; docs/watching.md).",
+        "start from the pipeline's measured rate (launch.auto_workers; docs/watching.md).",
         resume=OnResume.change,
     )
     prefetch_factor: int = setting(
@@ -187,7 +187,7 @@ class DataConfig:
         """Each data.* field on its own.
 
         What the reading code judges (keys, the evaluation crop, data.stages) is
-        data.read.checks.check_data_config's; what needs the manifest,
+        data.read.config_checks.check_data_config's; what needs the manifest,
         launch.checks.check_data's. Both run before spawning.
         """
         for name in ("train_shards", "val_shards"):
@@ -425,7 +425,8 @@ class DebugConfig:
         factory=list,
         doc="Capture a trace from global step START to END ([START, END], START >= 1: the END - START steps "
         "after the first START) into <output_dir>/tensorboard/: XLA's for TensorBoard's profile plugin / "
-        "XProf, or on the native runtime (accelerator=cuda, cpu_eager) torch.profiler's for Perfetto; [] = off.",
+        "XProf, or on the native runtime (accelerator=cuda, cpu_eager) torch.profiler's for Perfetto; "
+        "[] = off.",
     )
     profile_eval_epoch: int = setting(
         -1, "Trace the evaluation after this epoch as debug.profile_steps traces steps (-1 = off)."

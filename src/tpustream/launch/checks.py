@@ -36,8 +36,8 @@ from tpustream.config import (
 )
 from tpustream.config.keys import facts_of, keys_where
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.checks import check_data_config
-from tpustream.data.read.plan import plan_layout
+from tpustream.data.read.config_checks import check_data_config
+from tpustream.data.read.layout import plan_layout
 from tpustream.errors import ConfigError, StorageError
 from tpustream.models import check_model_builds, check_model_config
 

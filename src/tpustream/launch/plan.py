@@ -18,10 +18,11 @@ from tpustream.checkpoint import FORCE_RESUME, OVERWRITE_RESUME, find_resume, re
 from tpustream.checkpoint.local_tier import newer_local
 from tpustream.config import BestOf, Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.layout import CanonicalPartition
 from tpustream.data.read.partition import choose_partition
-from tpustream.data.read.plan import CanonicalPartition
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.errors import ConfigError
+from tpustream.launch.auto_workers import resolve_auto_workers
 from tpustream.launch.checks import (
     check_accelerator_present,
     check_config,
@@ -46,9 +47,8 @@ from tpustream.launch.resume_checks import (
 )
 from tpustream.launch.run_model import meta_model, model_builder
 from tpustream.launch.synthetic import synthetic_splits
-from tpustream.launch.workers import resolve_auto_workers
 from tpustream.observe.best import best_record, describe_best
-from tpustream.observe.synthetic import describe_synthetic, is_synthetic
+from tpustream.observe.synthetic_rate import describe_synthetic, is_synthetic
 from tpustream.preemption import raise_if_stop_requested
 
 log = logging.getLogger(__name__)

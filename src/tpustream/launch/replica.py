@@ -12,8 +12,9 @@ from typing import Any
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint
 from tpustream.config import DataConfig, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.plan import describe_sharing
+from tpustream.data.read.layout import describe_sharing
 from tpustream.errors import ConfigError
+from tpustream.launch.auto_workers import local_replicas
 from tpustream.launch.checks import (
     check_replica_share,
     known_devices_per_replica,
@@ -23,10 +24,9 @@ from tpustream.launch.checks import (
 from tpustream.launch.plan import RunPlan
 from tpustream.launch.run_model import model_builder
 from tpustream.launch.synthetic import make_synthetic_sources
-from tpustream.launch.workers import local_replicas
 from tpustream.logs import setup_worker_logging
 from tpustream.observe.best import best_record, describe_best
-from tpustream.observe.synthetic import describe_synthetic
+from tpustream.observe.synthetic_rate import describe_synthetic
 from tpustream.preemption import ignore_stop_signals
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     from tpustream.observe import start_profiler
     from tpustream.observe.flops import training_flops_per_sample
     from tpustream.training import make_trainer
-    from tpustream.training.report import InputLayout
+    from tpustream.training.epoch_report import InputLayout
 
     cfg = plan.cfg
     devices = runtime.local_devices

@@ -26,7 +26,7 @@ from tpustream.data.format.manifest import ShardManifest
 from tpustream.errors import ConfigError
 from tpustream.launch.run_model import meta_model
 from tpustream.observe.best import best_record, describe_best, read_select_best
-from tpustream.observe.synthetic import describe_synthetic, is_synthetic
+from tpustream.observe.synthetic_rate import describe_synthetic, is_synthetic
 from tpustream.training.epoch_order import describe_change
 from tpustream.training.schedule import SchedulePhase, describe_epochs_change, epochs_changed
 from tpustream.training.state import TrainState

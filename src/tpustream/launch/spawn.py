@@ -32,11 +32,11 @@ from typing import Any
 from tpustream import progress
 from tpustream.config import SPMD_STRATEGIES, Collectives, Device, RuntimeKind, Strategy, TrainConfig
 from tpustream.errors import TpustreamError
+from tpustream.launch.auto_workers import local_replicas
 from tpustream.launch.checks import native_processes
 from tpustream.launch.hosts import NativeHosts, native_hosts
 from tpustream.launch.plan import RunPlan, read_final_metrics
 from tpustream.launch.replica import run_replica
-from tpustream.launch.workers import local_replicas
 from tpustream.logs import setup_replica_logging
 from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers, starting_replicas
 from tpustream.watchdog import Limits, Reports, Watchdog, start_watchdog, stop_watchdog

@@ -5,7 +5,7 @@ shards are there (no sample is read for it: the first-samples check is a
 real run's), else from data.num_classes, image_size and channels; the run
 neither continues nor overwrites a run folder's checkpoints, evaluates
 nothing and uses no loader workers. In a replica: one batch, made once, on
-the device for every step (data.read.synthetic).
+the device for every step (data.read.synthetic_batch).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from tpustream import storage
 from tpustream.checkpoint import FORCE_RESUME, OVERWRITE_RESUME
 from tpustream.config import TrainConfig
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.plan import plan_layout
-from tpustream.data.read.synthetic import (
+from tpustream.data.read.layout import plan_layout
+from tpustream.data.read.synthetic_batch import (
     DEFAULT_STEPS,
     SyntheticSource,
     make_synthetic_batch,
     stand_in_manifest,
 )
 from tpustream.data.resolve.options import SplitOptions
-from tpustream.data.resolve.spec import describe_spec, expand_spec
+from tpustream.data.resolve.shard_spec import describe_spec, expand_spec
 from tpustream.errors import ConfigError
 from tpustream.launch.hosts import load_split_on_this_host
 

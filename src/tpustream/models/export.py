@@ -325,7 +325,7 @@ def write_model_files(
 def refuse_synthetic_run(run: str, url: str) -> None:
     """A synthetic run's folder (data.synthetic) has no checkpoint: say why, not that one is missing."""
     from tpustream.checkpoint import read_metrics
-    from tpustream.observe.synthetic import is_synthetic
+    from tpustream.observe.synthetic_rate import is_synthetic
 
     if not run.endswith(".pt") and not storage.exists(url) and is_synthetic(read_metrics(run)):
         raise ConfigError(

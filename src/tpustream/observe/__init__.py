@@ -14,7 +14,7 @@ v2/v3 replicas are threads of one process, and each builds its own objects.
 
 from tpustream.observe.profiler import TorchTraceCapture, TraceCapture, start_profiler
 from tpustream.observe.tensorboard import NullTensorBoardLog, TensorBoardLog
-from tpustream.observe.xla import (
+from tpustream.observe.xla_metrics import (
     RecompileWatch,
     XlaMetrics,
     compilation_count,

@@ -21,7 +21,7 @@ from tpustream.config.keys import facts_of, flatten
 from tpustream.observe.advice import SavingSettings, advise, advise_runs, mean_of, measured, process_epochs
 from tpustream.observe.best import best_record, describe_best, select_best_of
 from tpustream.observe.runs import Run, find_runs
-from tpustream.observe.synthetic import describe_synthetic, is_synthetic, synthetic_twin_rate
+from tpustream.observe.synthetic_rate import describe_synthetic, is_synthetic, synthetic_twin_rate
 
 __all__ = ["Run", "find_runs", "main", "report"]
 

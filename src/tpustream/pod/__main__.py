@@ -9,7 +9,7 @@ and the pod's life around it: ``create`` (tpustream.pod.create), ``delete``, and
 This is the only place that turns errors into exit codes: a TpustreamError is
 one line on stderr and exit code 2; a Ctrl-C at any moment is 130 (see
 tpustream.pod.interrupts); otherwise the exit code is 0 if every worker exited
-0, else the first failing worker's (see tpustream.pod.workers).
+0, else the first failing worker's (see tpustream.pod.supervise).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tpustream.pod.create import create_main, delete_main
 from tpustream.pod.gke import gke_main
 from tpustream.pod.recreate import recreate_dry_run_lines
 from tpustream.pod.spec import DEFAULT_WORKDIR, LaunchSpec, parse_env
+from tpustream.pod.supervise import launch_pod
 from tpustream.pod.usage import UsageParser, split_command
-from tpustream.pod.workers import launch_pod
 
 EPILOG = f"""\
 The command after -- runs in WORKDIR on every host as

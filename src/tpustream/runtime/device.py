@@ -12,7 +12,7 @@ import torch
 from tpustream import progress
 from tpustream.observe.profiler import TraceCapture
 from tpustream.observe.timing import InputWait
-from tpustream.observe.xla import compilation_count, compile_seconds
+from tpustream.observe.xla_metrics import compilation_count, compile_seconds
 from tpustream.runtime.resident import is_resident, resident_batches
 from tpustream.runtime.staging import HostStaging
 

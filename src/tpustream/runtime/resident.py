@@ -1,6 +1,6 @@
 """Batches that stay on the device (data.synthetic): put there once, then handed to every step as they are.
 
-A source whose ``resident`` attribute is true (data.read.synthetic's) holds
+A source whose ``resident`` attribute is true (data.read.synthetic_batch's) holds
 one batch; copying it again each step would measure the copy, which is the
 input's cost, not the step's. Each runtime's device loader gives it its own
 way of putting a batch on the device (``place``: what its loader does to

@@ -12,7 +12,7 @@ from __future__ import annotations
 # What an epoch's order depends on without canonical streams (data.streams=0, or a run
 # begun before them): every reader's share of the epoch follows replicas x batch x workers.
 PER_READER_ORDER_KEYS = ("world_size", "batch_size", "num_workers", "steps_per_epoch", "seed")
-# What an epoch's order depends on under a canonical partition (data.read.plan).
+# What an epoch's order depends on under a canonical partition (data.read.layout).
 CANONICAL_ORDER_KEYS = ("global_batch", "streams", "stream_buffer", "steps_per_epoch", "seed")
 # A data plan's values in words (describe_change).
 PLAN_WORDS = {

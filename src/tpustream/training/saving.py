@@ -26,7 +26,7 @@ from tpustream.checkpoint.background import BackgroundWriter
 from tpustream.checkpoint.local_tier import local_checkpoint_url
 from tpustream.config import TrainConfig
 from tpustream.errors import StorageError
-from tpustream.observe.xla import format_bytes
+from tpustream.observe.xla_metrics import format_bytes
 from tpustream.runtime import Runtime
 from tpustream.runtime.device import tensor_bytes
 from tpustream.runtime.staging import HostStaging

@@ -3,7 +3,7 @@
 The trainer sees a split only through this interface, never through the
 DataLoader or the dataset behind it, so the loop can be driven by any source
 of batches (``data.read.loader.CountingLoader`` in a run,
-``data.read.synthetic.SyntheticSource`` under data.synthetic, in-memory
+``data.read.synthetic_batch.SyntheticSource`` under data.synthetic, in-memory
 batches in tests).
 """
 
@@ -22,7 +22,7 @@ class EpochSource(Protocol):
     Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
     float32 (B,)}, 1 for the samples that count in loss and metrics. A source
     whose batch stays on the device says so with ``resident = True`` and a
-    ``place(move)`` method (data.read.synthetic; runtime.resident).
+    ``place(move)`` method (data.read.synthetic_batch; runtime.resident).
     """
 
     # Places bad data left empty in the last pass (a report, not used in training).

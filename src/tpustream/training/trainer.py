@@ -32,12 +32,12 @@ from tpustream.training.debug import DebugChecks
 from tpustream.training.ema import WeightAverage, average_on_host, ema_metrics
 from tpustream.training.epoch_checks import check_epoch, first_distinct
 from tpustream.training.epoch_order import data_plan
+from tpustream.training.epoch_report import EpochRecord, EpochReporter, InputLayout, RateTracker
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
 from tpustream.training.optimizer import build_optimizer, prime_optimizer_state, set_learning_rate
 from tpustream.training.periodic import itstime
 from tpustream.training.replicas import average_floating_buffers, gather_replica_parts, restore_replica_part
-from tpustream.training.report import EpochRecord, EpochReporter, InputLayout, RateTracker
 from tpustream.training.saving import CheckpointWriter
 from tpustream.training.schedule import LearningRate
 from tpustream.training.source import EpochSource
@@ -90,7 +90,7 @@ class Trainer:
         input_layout: InputLayout | None = None,
     ):
         self.cfg = cfg
-        self.partition = partition  # the training order's (data.read.plan), for the data plan
+        self.partition = partition  # the training order's (data.read.layout), for the data plan
         self.config_dict = config_dict
         self.runtime = runtime
         self.train_state = TrainState()

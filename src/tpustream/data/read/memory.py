@@ -20,7 +20,7 @@ import torch
 from tpustream import progress
 from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.plan import SampleSpan
+from tpustream.data.read.layout import SampleSpan
 from tpustream.data.read.stages import SHARD_ID_SHIFT, DecodedSample, ErrorPolicy, read_span_samples
 from tpustream.errors import ConfigError
 

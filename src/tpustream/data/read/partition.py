@@ -9,7 +9,7 @@ on a shard of its own.
 
 from __future__ import annotations
 
-from tpustream.data.read.plan import CanonicalPartition
+from tpustream.data.read.layout import CanonicalPartition
 
 # data.streams=auto: each replica's streams, at most this many per worker reading them at start.
 AUTO_STREAMS_PER_READER = 4

@@ -14,13 +14,13 @@ import numpy as np
 from tpustream.config import OnError
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.layout import SampleSpan
 from tpustream.data.read.memory import (
     SplitMemory,
     load_split_memory,
     read_memory_samples,
     take_memory_samples,
 )
-from tpustream.data.read.plan import SampleSpan
 from tpustream.data.read.stages import ErrorPolicy, decode_samples, read_span_samples
 
 SampleDecoder = Callable[[dict], tuple[np.ndarray, int]]

@@ -22,9 +22,9 @@ from tpustream.config import OnError
 from tpustream.data.format.decode import ImageDecoder, SampleError
 from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, open_tar_stream
 from tpustream.data.read.assemble import SlotWriter
-from tpustream.data.read.augment import random_crop_flip
+from tpustream.data.read.crop_flip import random_crop_flip
 from tpustream.data.read.encoded import EncodedImage, pack_encoded
-from tpustream.data.read.plan import SampleSpan
+from tpustream.data.read.layout import SampleSpan
 from tpustream.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,9 @@ from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, Trai
 from tpustream.data.format.decode import ImageDecoder
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.assemble import BatchSlots, SlotWriter, join_batches, portable, ring_slots
-from tpustream.data.read.augment import draw_crop_flip
+from tpustream.data.read.crop_flip import draw_crop_flip
 from tpustream.data.read.encoded import SHARED_FIELDS, stream_crops
-from tpustream.data.read.memory import SplitMemory
-from tpustream.data.read.partition import pieces_hold_whole_groups
-from tpustream.data.read.plan import (
+from tpustream.data.read.layout import (
     CanonicalPartition,
     EpochLayout,
     SampleSpan,
@@ -37,6 +35,8 @@ from tpustream.data.read.plan import (
     stream_spans,
     worker_batches,
 )
+from tpustream.data.read.memory import SplitMemory
+from tpustream.data.read.partition import pieces_hold_whole_groups
 from tpustream.data.read.sources import MemorySamples, StreamedSamples
 from tpustream.data.read.stages import (
     ErrorPolicy,

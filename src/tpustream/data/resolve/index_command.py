@@ -24,7 +24,7 @@ from tpustream.data.resolve.counting import (
     read_index,
     shards_to_count,
 )
-from tpustream.data.resolve.spec import expand_spec
+from tpustream.data.resolve.shard_spec import expand_spec
 from tpustream.errors import TpustreamError
 
 

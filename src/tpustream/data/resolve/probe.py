@@ -24,7 +24,7 @@ from tpustream.data.format.decode import (
 from tpustream.data.format.manifest import ShardInfo, ShardManifest
 from tpustream.data.format.tar import ShardFormatError, iter_shard_samples, open_tar_stream
 from tpustream.data.resolve.options import SplitOptions
-from tpustream.data.resolve.spec import describe_spec
+from tpustream.data.resolve.shard_spec import describe_spec
 from tpustream.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)

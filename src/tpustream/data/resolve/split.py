@@ -22,7 +22,7 @@ from tpustream.data.resolve import recorded
 from tpustream.data.resolve.counting import counts_for
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.probe import check_first_samples, describe_images
-from tpustream.data.resolve.spec import describe_spec, expand_spec, first_duplicate
+from tpustream.data.resolve.shard_spec import describe_spec, expand_spec, first_duplicate
 from tpustream.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from tpustream import storage
 from tpustream.data.format.manifest import MANIFEST_NAME, ShardManifest
-from tpustream.data.write.sources import (
+from tpustream.data.write.image_sources import (
     CIFAR_SIZE,
     DIGITS_SIZE,
     SplitSource,

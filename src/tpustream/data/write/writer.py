@@ -29,7 +29,7 @@ from tqdm import tqdm
 from tpustream import storage
 from tpustream.data.format.manifest import MANIFEST_NAME, ShardInfo, ShardManifest, summarize_image_sizes
 from tpustream.data.format.tar import write_tar
-from tpustream.data.write.sources import (
+from tpustream.data.write.image_sources import (
     ImageRef,
     SplitSource,
     UnreadableImageError,

@@ -26,7 +26,7 @@ from typing import Any
 
 from tpustream.config import Device, RuntimeKind, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.plan import CanonicalPartition
+from tpustream.data.read.layout import CanonicalPartition
 from tpustream.observe.advice import WORKER_MARGIN, host_worker_cap, usable_cpus
 from tpustream.observe.chips import Chip
 
