@@ -93,11 +93,11 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from tpustream.launch.checks import check_run_dir
+    from tpustream.launch.checks import check_override_keys, check_run_dir
 
     # Hydra creates its run folder before main() runs, and reports a failure
-    # there as a traceback: say it in one line instead.
-    problem = check_run_dir(sys.argv[1:])
+    # there as a traceback, and an unknown key in several lines: say each in one line instead.
+    problem = check_override_keys(sys.argv[1:]) or check_run_dir(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -580,6 +580,19 @@ def test_a_run_folder_hydra_cannot_create_is_one_line(tmp_path):
     )
 
 
+def test_an_override_of_a_key_the_schema_lacks_is_one_line_naming_its_neighbours():
+    """Hydra's answer is several lines suggesting +key, which the schema refuses next."""
+    from tpustream.launch.checks import check_override_keys
+
+    assert check_override_keys(["optim.lrr=0.1"]) == "unknown config key optim.lrr (known here: lr)"
+    retired = check_override_keys(["accelerator.runtime=native"])
+    assert retired.startswith("unknown config key accelerator.runtime: the accelerator option's name decides")
+    assert "accelerator=cpu, tpu, cpu_pod, cuda, cpu_eager" in retired
+    # Known keys, free-form options, group choices, additions and Hydra's keys pass.
+    fine = ["optim.lr=0.2", "model.options.width=8", "data=cifar10", "+optim.x=1", "hydra.job.chdir=false"]
+    assert check_override_keys([*fine, "-m", "epochs=3"]) is None
+
+
 # Raw weights peaking at epoch 1, their average (which best.pt follows) at epoch 2: the rules differ.
 EMA_HISTORY = [
     {

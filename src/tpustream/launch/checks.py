@@ -29,6 +29,7 @@ from tpustream.config import (
     Device,
     ModelLibrary,
     OptimizerName,
+    Platform,
     RuntimeKind,
     Strategy,
     TrainConfig,
@@ -115,13 +116,51 @@ def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
     for key in cfg:
         name = f"{prefix}{key}"
         if key not in fields:
-            close = ", ".join(sorted(f for f in fields if f[:2] == str(key)[:2])) or ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key {name} (known here: {close})")
+            raise ConfigError(describe_unknown_key(name, fields))
         if facts_of(name).free_form:
             continue
         value = cfg._get_node(key)
         if dataclasses.is_dataclass(fields[key]) and OmegaConf.is_dict(value):
             check_known_keys(value, fields[key], f"{name}.")
+
+
+def describe_unknown_key(name: str, fields: typing.Iterable[str]) -> str:
+    """'unknown config key optim.lrr (known here: lr)': the section's fields that start alike, else all."""
+    key = name.rsplit(".", 1)[-1]
+    if name.startswith("accelerator.") and key in Platform._fields:
+        return (
+            f"unknown config key {name}: the accelerator option's name decides the device type, runtime "
+            f"and collectives (accelerator={', '.join(a.value for a in Accelerator)})"
+        )
+    close = sorted(f for f in fields if f[:2] == key[:2]) or sorted(fields)
+    return f"unknown config key {name} (known here: {', '.join(close)})"
+
+
+def check_override_keys(argv: list[str]) -> str | None:
+    """An override of a key the schema does not have, as one line; None if every key is known.
+
+    Hydra answers ``optim.lrr=0.1`` with a multi-line error suggesting
+    ``+optim.lrr``, which the schema then refuses; train.py asks this first.
+    Group choices (``data=cifar10``), additions (``+``), deletions (``~``)
+    and Hydra's own keys are Hydra's to judge.
+    """
+    from tpustream.config.keys import is_known, schema_keys
+
+    known = schema_keys()[1]
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        if not sep or arg.startswith(("-", "+", "~")) or key.startswith("hydra") or "." not in key:
+            continue
+        if "@" in key or key.split(".")[0] not in known or is_known(key):
+            continue
+        section = key.rsplit(".", 1)[0]
+        fields = [
+            k.rsplit(".", 1)[-1]
+            for k in known
+            if k.startswith(f"{section}.") and k.count(".") == key.count(".")
+        ]
+        return describe_unknown_key(key, fields)
+    return None
 
 
 def check_run_dir(argv: list[str]) -> str | None:
