@@ -264,3 +264,17 @@ def test_every_option_the_pages_give_a_command_is_in_its_help(capsys):
         if missing:
             unknown[" ".join([program, *sub])] = missing
     assert not unknown, f"options the pages name that the commands do not have: {unknown}"
+
+
+def test_the_public_names_import_from_tpustream_data_and_each_has_its_entry_on_the_api_page():
+    """docs/api.md documents exactly tpustream.data's exports: a name added or removed changes both."""
+    import tpustream.data as data
+
+    page = (REPO / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: ([\w.]+)$", page, flags=re.MULTILINE))
+    assert documented == {f"{module}.{name}" for name, module in data.PUBLIC.items()}
+    for name in data.__all__:
+        exported = getattr(data, name)
+        assert exported.__module__ == data.PUBLIC[name] and (exported.__doc__ or "").strip(), name
+    with pytest.raises(AttributeError, match="no attribute 'plan'"):
+        data.plan  # noqa: B018

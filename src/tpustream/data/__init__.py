@@ -5,12 +5,45 @@
 - ``write``: writing shards (``tpustream-make-shards``: the command, the
   writer, the sources it converts);
 - ``resolve``: once per job, before any replica starts: a shard specification
-  to a split with a count per shard (``spec``, ``recorded`` counts of other
+  to a split with a count per shard (``shard_spec``, ``recorded`` counts of other
   tools, our ``counting`` and its ``tpustream-index`` command, the ``probe``
   of classes, image shape and first samples);
-- ``read``: every epoch, in every replica: the epoch ``plan``, the
+- ``read``: every epoch, in every replica: the epoch ``layout``, the
   ``splitters``, the ``stages`` (and the user's), decoding with ``crops``
-  and ``augment``, the in-``memory`` source, the ``stream`` and its ``loader``.
+  and ``crop_flip``, the in-``memory`` source, the ``stream`` and its ``loader``.
 
-shards -> counts (resolve) -> plan -> read -> decode/crop -> batch (read) -> device (training).
+shards -> counts (resolve) -> layout -> read -> decode/crop -> batch (read) -> device (training).
+
+The names below are the public surface (docs/api.md): what a user may import
+from ``tpustream.data`` for their own loop or tools, kept stable; every other
+module may change. They are imported when first asked for, so that importing
+a data module (as every DataLoader worker does) does not import them all.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it.
+PUBLIC = {
+    "ReplicaSplitter": "tpustream.data.read.splitters",
+    "WorkerSplitter": "tpustream.data.read.splitters",
+    "ShardManifest": "tpustream.data.format.manifest",
+    "ShardInfo": "tpustream.data.format.manifest",
+    "load_manifest": "tpustream.data.resolve.split",
+    "plan_layout": "tpustream.data.read.layout",
+    "EpochLayout": "tpustream.data.read.layout",
+}
+
+__all__ = sorted(PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in PUBLIC:
+        raise AttributeError(f"module 'tpustream.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *PUBLIC])

@@ -49,10 +49,12 @@ class ShardManifest:
 
     @property
     def num_samples(self) -> int:
+        """Samples in the split: the shards' counts summed."""
         return sum(s.samples for s in self.shards)
 
     @property
     def num_classes(self) -> int:
+        """Classes the labels index (0 .. num_classes - 1)."""
         return len(self.classes)
 
     def to_json(self, base_url: str) -> str:

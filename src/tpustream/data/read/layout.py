@@ -96,7 +96,20 @@ def plan_layout(
     last_batch: LastBatch | str = LastBatch.pad,
     split: str = "",
 ) -> EpochLayout:
-    """Steps per epoch for a split; identical on every replica by construction."""
+    """Steps per epoch for a split; identical on every replica by construction.
+
+    Args:
+        num_samples: the split's samples (``ShardManifest.num_samples``).
+        batch_size: each replica's batch.
+        world_size: the replicas.
+        last_batch: ``pad`` fills the last global batch with the epoch's first
+            samples, marked not real (they weigh zero); ``drop`` leaves the
+            samples that cannot fill one out.
+        split: the split's name, for errors.
+
+    Raises:
+        ConfigError: a batch larger than the split, or a bad argument.
+    """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if world_size < 1:
