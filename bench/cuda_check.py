@@ -140,7 +140,7 @@ def steady(records: list[dict]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.cuda_check", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--quick", action="store_true", help="the correctness part only")
@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/cuda_check"))
     parser.add_argument("--accelerator", default="cuda", help="cpu_eager tries the script without a GPU")
     parser.add_argument("--fsdp", action="store_true", help="strategy=fsdp (FSDP2) against ddp only")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work
     runner = Runner(args.out, work)
