@@ -8,8 +8,8 @@ BEFORE, AFTER, BEFORE, AFTER, ... so that a machine whose load drifts
 treats both alike. A run's rate is the mean of its epochs' samples/s
 (metrics.jsonl's global_rate) leaving out epoch 0, which starts the workers
 and compiles. The table gives each run's rate and each commit's mean, and
-results.json keeps them with the command. The time breakdown's cost (issue
-22): `python -m bench.ab 688e6f2 c540fba` (before it, and with it).
+results.json keeps them with the command; the time breakdown's cost, for
+one: `python -m bench.ab 688e6f2 c540fba` (before it, and with it).
 """
 
 from __future__ import annotations
@@ -25,61 +25,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tpustream.config import TrainConfig
+from bench.harness import REPO, log_tail, read_records, run_logged, steady_rate, train_command
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OVERRIDES = ("data.num_workers=2",)
-
-
-def steady_rate(records: Sequence[dict]) -> float:
-    """Mean samples/s of the epochs after the first (all of them if there is one)."""
-    steady = records[1:] if len(records) > 1 else records
-    if not steady:
-        raise ValueError("no epoch records")
-    return statistics.fmean(r["global_rate"] for r in steady)
 
 
 def run_order(refs: Sequence[str], rounds: int) -> list[tuple[str, int]]:
     """(ref, round) in the order they run: every ref once per round, alternating."""
     return [(ref, n) for n in range(rounds) for ref in refs]
-
-
-def compose_train_config(overrides: Sequence[str]) -> TrainConfig:
-    """The TrainConfig train.py would run with these overrides (composed and resolved); Hydra's errors pass.
-
-    output_dir and log_dir default to Hydra's run folder, which exists only inside
-    train.py: placeholders here, nothing is written to them.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from tpustream.config import register_configs
-    from tpustream.launch.checks import resolve_config
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            placeholders = ["output_dir=/unused", "log_dir=null"]
-            composed = compose(config_name="config", overrides=[*placeholders, *overrides])
-        return resolve_config(composed)[0]
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def train_command(tree: Path, out: Path, epochs: int, overrides: Sequence[str]) -> list[str]:
-    return [
-        sys.executable,
-        str(tree / "train.py"),
-        f"epochs={epochs}",
-        *overrides,
-        f"output_dir={out}",
-        "resume=null",
-        f"hydra.run.dir={out}",
-    ]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -135,22 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "add", "--detach", str(trees[ref]), ref], cwd=REPO, check=True)
         for ref, n in order:
             run = work / "runs" / f"{ref}-{n}"
-            env = {
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join([str(trees[ref] / "src"), os.environ.get("PYTHONPATH", "")]),
-            }
-            done = subprocess.run(
-                train_command(trees[ref], run, args.epochs, args.overrides),
-                cwd=trees[ref],
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            if done.returncode != 0:
-                print(done.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{ref} round {n}: train.py exited with {done.returncode}")
-            with open(run / "metrics.jsonl") as f:
-                rate = steady_rate([json.loads(line) for line in f if line.strip()])
+            command = train_command(trees[ref], run, args.epochs, args.overrides)
+            code, _ = run_logged(command, run / "output.log", tree=trees[ref])
+            if code != 0:
+                print(log_tail(run / "output.log"), file=sys.stderr)
+                raise SystemExit(f"{ref} round {n}: train.py exited with {code}")
+            rate = steady_rate(read_records(run))
             rates[ref].append(rate)
             print(f"{ref} round {n}: {rate:.1f} samples/s", flush=True)
     finally:

@@ -41,12 +41,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.harness import log_tail, read_records, run_logged
+from tpustream.observe.advice import measured
+
 TIMED_VARIANTS = {
     "deterministic": ["accelerator.deterministic=true"],
     "cudnn.benchmark (default)": ["accelerator.deterministic=false"],
@@ -66,15 +66,11 @@ class Runner:
 
     def run(self, name: str, args: list[str], timeout: int = 600) -> int:
         command = [sys.executable, *args]
-        start = time.time()
-        try:
-            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-            code, text = result.returncode, result.stdout + result.stderr
-        except subprocess.TimeoutExpired as exc:
-            code, text = -9, f"timed out after {timeout} s: {exc.stdout or ''}{exc.stderr or ''}"
-        seconds = time.time() - start
+        log_path = self.work / "logs" / f"{name}.log"
+        finished, seconds = run_logged(command, log_path, timeout)
+        code = -9 if finished is None else finished  # -9: ran past its timeout and was killed
         self.log.write(f"=== {name}: exit {code} in {seconds:.0f} s\n$ {' '.join(command)}\n")
-        self.log.write("\n".join(text.splitlines()[-40:]) + "\n\n")
+        self.log.write(log_tail(log_path) + "\n\n")
         self.log.flush()
         print(f"{name}: exit {code} in {seconds:.0f} s", flush=True)
         return code
@@ -112,13 +108,8 @@ def same_checkpoints(a: Path, b: Path) -> dict:
     }
 
 
-def metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def steady(records: list[dict]) -> dict:
-    later = records[1:] or records
+    later = measured(records)
     if not later:
         return {}
     mean = lambda key: sum(r.get(key) or 0 for r in later) / len(later)  # noqa: E731
@@ -194,7 +185,7 @@ def correctness(args: argparse.Namespace, runner: Runner, summary: dict) -> None
         "stopped": runner.train("stopped", *common, f"output_dir={stopped}", "debug.stop_at_step=10"),
         "resumed": runner.train("resumed", *common, f"output_dir={stopped}"),
     }
-    summary["correctness"] = {"exit_codes": codes, "history": metrics(straight)}
+    summary["correctness"] = {"exit_codes": codes, "history": read_records(straight)}
     write_summary(args.out, summary)
     if codes["straight"] == 0 and codes["resumed"] == 0:
         summary["correctness"]["resume"] = same_checkpoints(
@@ -226,7 +217,8 @@ def fsdp(args: argparse.Namespace, runner: Runner, summary: dict) -> None:
         ),
         "fsdp_resumed": runner.train("fsdp_resumed", *common, *FSDP, f"output_dir={stopped}"),
     }
-    checks: dict = {"exit_codes": codes, "history_fsdp": metrics(straight), "history_ddp": metrics(ddp)}
+    histories = {"history_fsdp": read_records(straight), "history_ddp": read_records(ddp)}
+    checks: dict = {"exit_codes": codes, **histories}
     last = lambda run: run / "checkpoints" / "last.pt"  # noqa: E731
     if codes["fsdp_straight"] == 0 and codes["fsdp_resumed"] == 0:
         checks["fsdp_resume"] = same_checkpoints(last(straight), last(stopped))
@@ -265,7 +257,7 @@ def timed_runs(args: argparse.Namespace, runner: Runner, summary: dict, variants
     for index, (name, settings) in enumerate(variants.items()):
         run = work / f"timed{index}"
         code = runner.train(f"timed{index}", *timed, *settings, f"output_dir={run}", timeout=240)
-        summary["timing"][name] = {"exit_code": code, "overrides": settings, **steady(metrics(run))}
+        summary["timing"][name] = {"exit_code": code, "overrides": settings, **steady(read_records(run))}
         write_summary(args.out, summary)
 
 

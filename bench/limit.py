@@ -25,13 +25,20 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.ab import REPO, compose_train_config, steady_rate, train_command
+from bench.harness import (
+    REPO,
+    compose_train_config,
+    log_tail,
+    read_records,
+    run_logged,
+    steady_rate,
+    train_command,
+)
 from tpustream.observe.advice import mean_of, measured
 
 KINDS = ("synthetic", "real")
@@ -163,12 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
     real_records: list[dict[str, Any]] = []
     for kind, folder, command in planned:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{kind} run {folder.name}: train.py exited with {done.returncode}")
-        with open(folder / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        code, _ = run_logged(command, folder / "output.log")
+        if code != 0:
+            print(log_tail(folder / "output.log"), file=sys.stderr)
+            raise SystemExit(f"{kind} run {folder.name}: train.py exited with {code}")
+        records = read_records(folder)
         rates[kind].append(steady_rate(records))
         if kind == "real":
             real_records.extend(measured(records))

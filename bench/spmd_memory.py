@@ -68,12 +68,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from bench.harness import REPO
 from tpustream.config import TrainConfig
 
 if TYPE_CHECKING:
     from tpustream.runtime import SpmdRuntime
 
-REPO = Path(__file__).resolve().parent.parent
 OPTIMIZERS = ("sgd", "adamw")
 # CIFAR-10's; the seed's own study used CIFAR-100, whose head has 40,410 more
 # parameters (0.04%).
@@ -83,7 +83,7 @@ MEASURED = {"spmd": "data", "spmd_fsdp": "fsdp"}  # strategy -> the mesh axis it
 
 def compose_configs() -> dict[str, TrainConfig]:
     """The TrainConfig train.py composes for model=wrn_seed with each optimizer, keyed by optim name."""
-    from bench.ab import compose_train_config
+    from bench.harness import compose_train_config
 
     return {name: compose_train_config([f"optim={name}", "model=wrn_seed"]) for name in OPTIMIZERS}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ab import main, run_order, steady_rate
+from bench.ab import main, run_order
+from bench.harness import steady_rate
 
 
 def test_the_rate_leaves_out_epoch_0_and_runs_alternate():

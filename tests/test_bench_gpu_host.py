@@ -36,7 +36,7 @@ def planned(tmp_path: Path, **env: str) -> list[tuple[str, int, list[str]]]:
 
 
 def test_every_planned_step_is_a_command_its_benchmark_accepts_within_one_device_call(tmp_path):
-    from bench.ab import compose_train_config
+    from bench.harness import compose_train_config
 
     steps = planned(tmp_path)
     assert [name for name, _, _ in steps] == ["cuda_check", "feed", "decode", "limit"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
@@ -26,7 +25,7 @@ def test_the_summary_says_how_far_from_synthetic_and_what_was_measured(monkeypat
     """Rates per kind from each run's steady epochs; measured shares from the real runs' steady epochs."""
     rates = {"synthetic": [100.0, 1000.0, 1000.0], "real": [50.0, 700.0, 900.0]}
 
-    def fake_train(command, **kwargs):
+    def fake_train(command, log_path, timeout=None, tree=None):
         out = next(part.split("=", 1)[1] for part in command if part.startswith("output_dir="))
         kind = "synthetic" if "data.synthetic=true" in command else "real"
         records = [
@@ -43,9 +42,9 @@ def test_the_summary_says_how_far_from_synthetic_and_what_was_measured(monkeypat
         folder = tmp_path / "runs" / out.rsplit("/", 1)[1]
         folder.mkdir()
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        return subprocess.CompletedProcess(command, 0, "", "")
+        return 0, 1.0
 
-    monkeypatch.setattr(limit.subprocess, "run", fake_train)
+    monkeypatch.setattr(limit, "run_logged", fake_train)
     monkeypatch.setattr(limit, "check_runnable", lambda overrides: None)  # no shards: the runs are fakes
     assert limit.main(["--out", str(tmp_path), "--", "model=small_cnn"]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
@@ -78,7 +77,7 @@ def test_what_it_sets_per_run_is_refused_rather_than_replaced(override, capsys):
 
 
 def test_missing_shards_or_a_bad_key_stop_it_in_one_line_before_any_run(monkeypatch, tmp_path):
-    monkeypatch.setattr(limit.subprocess, "run", lambda *a, **k: pytest.fail("a run was started"))
+    monkeypatch.setattr(limit, "run_logged", lambda *a, **k: pytest.fail("a run was started"))
     missing = tmp_path / "digits"
     with pytest.raises(SystemExit) as stopped:
         limit.main(["--out", str(tmp_path / "out"), "--", f"data.root={missing}"])

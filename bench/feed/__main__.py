@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import bench.feed
-from bench.ab import REPO
 from bench.feed import report
 from bench.feed.data import DataSpec, describe_data, prepare_data, train_shards
 from bench.feed.rows import Row, describe_result, plan_rows, run_row
+from bench.harness import REPO
 
 # Settings (argparse dest: value) a plain run and a --quick one start from; the command line wins.
 FULL = {

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.ab import REPO
 from bench.feed.rows import Row
+from bench.harness import REPO
 
 # The headline: tpustream at this share of data.synthetic's rate or more ...
 GOAL_OF_SYNTHETIC = 0.95

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.ab import REPO, train_command
+from bench.harness import REPO, read_records, run_logged, train_command
 from tpustream.observe import trace_gaps
 from tpustream.observe.advice import mean_of, measured
 
@@ -104,45 +99,6 @@ def plan_rows(args: Any, root: Path, runs: Path, num_classes: int) -> list[Row]:
     return rows
 
 
-def child_environment() -> dict[str, str]:
-    """src/ and the repository first on PYTHONPATH (tpustream, and bench.feed.stock for -m)."""
-    paths = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-
-
-def run_command(command: list[str], log_path: Path, timeout: float) -> tuple[int | None, float]:
-    """(exit code or None when it ran past timeout, seconds); output to log_path.
-
-    A session of its own, so a timeout ends the whole tree (train.py's
-    replica and DataLoader workers), not only the process started here.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=child_environment(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code: int | None = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            code = None
-    return code, time.perf_counter() - started
-
-
-def read_records(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def summarise_run(records: list[dict]) -> dict[str, Any]:
     """The steady rate (epochs after the first; none with fewer than two) and the run's own input shares."""
     steady = measured(records) if len(records) > 1 else []
@@ -156,7 +112,7 @@ def summarise_run(records: list[dict]) -> dict[str, Any]:
 def run_row(row: Row, timeout: float) -> dict[str, Any]:
     """Run the row; its result (what it measured, even if it failed after some epochs)."""
     log_path = row.folder / "output.log"
-    code, seconds = run_command(row.command, log_path, timeout)
+    code, seconds = run_logged(row.command, log_path, timeout)
     # Nothing here reads train.py's last.pt (ResNet-50's: ~200 MB with its momentum a row).
     shutil.rmtree(row.folder / "checkpoints", ignore_errors=True)
     result: dict[str, Any] = {
