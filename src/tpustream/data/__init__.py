@@ -23,7 +23,18 @@ a data module (as every DataLoader worker does) does not import them all.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # The same imports __getattr__ makes on first use, written out so that type checkers,
+    # the API page (mkdocstrings) and tests/test_layout.py's import graph see them.
+    from tpustream.data.format.manifest import ShardInfo as ShardInfo
+    from tpustream.data.format.manifest import ShardManifest as ShardManifest
+    from tpustream.data.read.layout import EpochLayout as EpochLayout
+    from tpustream.data.read.layout import plan_layout as plan_layout
+    from tpustream.data.read.splitters import ReplicaSplitter as ReplicaSplitter
+    from tpustream.data.read.splitters import WorkerSplitter as WorkerSplitter
+    from tpustream.data.resolve.split import load_manifest as load_manifest
 
 # Public name -> the module that defines it.
 PUBLIC = {

@@ -22,7 +22,12 @@ IMAGE_FORMATS = ("png", "jpg", "raw", "mixed")
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One tar shard: its URL and the number of samples in it."""
+    """One tar shard: its URL and the number of samples in it.
+
+    Attributes:
+        url: where the shard is (a local path, ``gs://``, ``http(s)://`` or ``pipe:`` URL).
+        samples: the samples it holds, as counted or recorded.
+    """
 
     url: str
     samples: int
@@ -30,7 +35,21 @@ class ShardInfo:
 
 @dataclass
 class ShardManifest:
-    """A split's shards, sample counts, classes and image geometry."""
+    """A split's shards, sample counts, classes and image geometry.
+
+    What ``manifest.json`` holds (``to_json`` / ``from_json``), and what
+    ``load_manifest`` gives for any shard specification.
+
+    Attributes:
+        split: the split's name (``train``, ``val``, ...).
+        classes: class names; label i is ``classes[i]``.
+        image_size: the stored images' (height, width); None when they vary.
+        channels: image channels (3: RGB).
+        image_format: ``png``, ``jpg``, ``raw`` (uint8 pixels) or ``mixed``.
+        shards: the shards in order, each with its sample count.
+        size_stats: the stored sizes' ``{"count", "min", "max", "mean"}``, each
+            a [height, width]; None when not recorded.
+    """
 
     split: str
     classes: list[str]
@@ -80,6 +99,7 @@ class ShardManifest:
 
     @classmethod
     def from_json(cls, text: str, base_url: str, source: str) -> ShardManifest:
+        """Read a manifest.json's text; shard names are joined to base_url, source names it in errors."""
         try:
             doc = json.loads(text)
             if doc.get("format") != MANIFEST_FORMAT:
@@ -108,6 +128,7 @@ class ShardManifest:
         return manifest
 
     def as_dict(self) -> dict:
+        """Every field as plain dicts and lists (``dataclasses.asdict``)."""
         return asdict(self)
 
 

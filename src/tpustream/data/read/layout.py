@@ -64,7 +64,15 @@ class SampleSpan:
 
 @dataclass(frozen=True)
 class EpochLayout:
-    """How many steps every replica runs and how many real samples they cover."""
+    """How many steps every replica runs and how many real samples they cover.
+
+    Attributes:
+        steps: steps per epoch, the same on every replica.
+        batch_size: each replica's batch.
+        world_size: the replicas.
+        num_samples: the split's samples.
+        last_batch: ``pad`` or ``drop``, as planned.
+    """
 
     steps: int
     batch_size: int
@@ -74,18 +82,22 @@ class EpochLayout:
 
     @property
     def samples_per_replica(self) -> int:
+        """Samples each replica reads per epoch, padding included."""
         return self.steps * self.batch_size
 
     @property
     def global_batch_size(self) -> int:
+        """Samples one step takes over all replicas."""
         return self.batch_size * self.world_size
 
     @property
     def padded_samples(self) -> int:
+        """Repeated samples that fill the last global batch (``pad``); they weigh zero."""
         return max(0, self.steps * self.global_batch_size - self.num_samples)
 
     @property
     def dropped_samples(self) -> int:
+        """Samples left out because they cannot fill a global batch (``drop``)."""
         return max(0, self.num_samples - self.steps * self.global_batch_size)
 
 
@@ -108,7 +120,8 @@ def plan_layout(
         split: the split's name, for errors.
 
     Raises:
-        ConfigError: a batch larger than the split, or a bad argument.
+        ConfigError: batch_size or world_size below 1, an unknown last_batch, no
+            samples, or (``drop``) a global batch larger than the split.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be positive, got {batch_size}")

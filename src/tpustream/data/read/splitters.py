@@ -29,9 +29,17 @@ log = logging.getLogger(__name__)
 class ReplicaSplitter:
     """nodesplitter=: replica r of w takes shards r, r + w, ... of the first (n // w) * w shards.
 
-    rank and world_size default to the running replica's (torch_xla, then
-    torch.distributed, then RANK / WORLD_SIZE). Picklable, so it reaches
-    DataLoader workers started with "spawn".
+    Picklable, so it reaches DataLoader workers started with "spawn".
+
+    Args:
+        rank: this replica; None: the running replica's (torch_xla, then
+            torch.distributed, then the RANK environment variable).
+        world_size: the replicas; None: the running job's (as rank, then WORLD_SIZE).
+        drop_uneven: leave out the last n % w shards, with a warning, so that every
+            replica gets as many shards; False gives the first n % w replicas one more.
+
+    Raises:
+        ConfigError: fewer shards than replicas, or a rank outside the world.
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, drop_uneven: bool = True):
@@ -68,8 +76,10 @@ class ReplicaSplitter:
 class WorkerSplitter:
     """workersplitter=: DataLoader worker i of n takes its replica's shards i, i + n, ...
 
-    Workers of one replica may differ by a shard (their batches all reach the
-    same replica); a worker left without any is allowed but logged.
+    The worker comes from ``torch.utils.data.get_worker_info()``; outside a
+    DataLoader worker every shard is kept. Workers of one replica may differ
+    by a shard (their batches all reach the same replica); a worker left
+    without any is allowed but logged.
     """
 
     def __call__(self, shards: Iterable[dict]) -> Iterator[dict]:

@@ -83,10 +83,28 @@ def _check_total_hints(folders: list[str], shards: list[ShardInfo]) -> None:
             )
 
 
-def load_manifest(spec: str) -> ShardManifest:
+def load_manifest(spec: str | Sequence[str], num_classes: int | None = None) -> ShardManifest:
     """A split from any shard specification, counting nothing: every count must be recorded somewhere.
 
-    The full resolution (including counting and indexing) is
-    ``load_split``; this is its read-only form for tools.
+    Counts come, per shard, from the first of: our ``manifest.json``, a wids
+    index given as the specification, what other tools recorded beside the
+    shards (open_clip's ``sizes.json``, timm's ``_info.json``, img2dataset's
+    ``*_stats.json``), our ``tpustream-index.json`` (``tpustream-index`` writes
+    it). Classes and image size come from our manifest, else from
+    ``num_classes`` and the first sample. This is the read-only form of what
+    ``train.py`` does before its replicas start; it writes nothing.
+
+    Args:
+        spec: a folder or ``gs://`` prefix (its ``*.tar``, ``*.tar.gz``, ``*.tgz``,
+            or what its ``manifest.json`` lists), a brace pattern
+            (``"gs://B/train-{000000..000639}.tar"``), an index file, or a list of these.
+        num_classes: how many classes, for shards without our manifest (as
+            ``data.num_classes``); with one, None or the manifest's count.
+
+    Raises:
+        ConfigError: the specification names no shards or a shard twice, a shard
+            has no recorded count (run ``tpustream-index`` on it), or shards
+            without our manifest are given no ``num_classes``.
     """
-    return load_split(spec, "", SplitOptions(allow_counting=False, progress=False))
+    options = SplitOptions(num_classes=num_classes, allow_counting=False, progress=False)
+    return load_split(spec, "", options)
