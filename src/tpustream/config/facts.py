@@ -29,7 +29,7 @@ class OnResume(str, Enum):
     # run is laid out and fed (accelerator, strategy, workers), not what it trains.
     change = "change"
     # May differ with the replica count under canonical streams, the global batch kept
-    # (batch_size; training.plan's RunPlan.partition checks it).
+    # (batch_size; launch.plan's RunPlan.partition checks it).
     reshape = "reshape"
     # May differ and is not in the fingerprint: how long, where it writes, what it watches.
     ignore = "ignore"

@@ -24,6 +24,7 @@ __all__ = [
     "KeyFacts",
     "OnResume",
     "facts_of",
+    "fields_beside",
     "flatten",
     "is_known",
     "key_names_where",
@@ -101,30 +102,42 @@ def leaf_keys() -> tuple[Key, ...]:
     return schema_keys()[0]
 
 
+def _nearest(name: str) -> tuple[Key | None, bool]:
+    """The schema key or section that is `name` or holds it (None: none), and whether it is `name` itself."""
+    known = schema_keys()[1]
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        key = known.get(".".join(parts[:end]))
+        if key is not None:
+            return key, end == len(parts)
+    return None, False
+
+
 def facts_of(name: str) -> KeyFacts:
     """The facts of a dotted key; a key below a free-form mapping (model.options.depth) has the mapping's.
 
     A key the schema does not know (one a saved config still holds after it
     left tpustream) has the root's facts.
     """
-    known = schema_keys()[1]
-    parts = name.split(".")
-    for end in range(len(parts), 0, -1):
-        key = known.get(".".join(parts[:end]))
-        if key is not None:
-            return key.facts
-    return ROOT_FACTS
+    key, _ = _nearest(name)
+    return ROOT_FACTS if key is None else key.facts
 
 
 def is_known(name: str) -> bool:
     """Whether a dotted key is the schema's (or lies below one of its free-form mappings)."""
-    known = schema_keys()[1]
-    parts = name.split(".")
-    for end in range(len(parts), 0, -1):
-        key = known.get(".".join(parts[:end]))
-        if key is not None:
-            return end == len(parts) or bool(key.facts.free_form)
-    return False
+    key, exact = _nearest(name)
+    return key is not None and (exact or bool(key.facts.free_form))
+
+
+def fields_beside(name: str) -> list[str]:
+    """The field names of the section a dotted key is in (the top level's for optim, epochs), sorted."""
+    section, _, _ = name.rpartition(".")
+    prefix, depth = (f"{section}." if section else ""), name.count(".")
+    return sorted(
+        other.rsplit(".", 1)[-1]
+        for other in schema_keys()[1]
+        if other.startswith(prefix) and other.count(".") == depth
+    )
 
 
 def keys_where(**facts: Any) -> tuple[str, ...]:

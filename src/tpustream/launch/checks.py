@@ -8,11 +8,9 @@ all-reduce for the one that failed).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
-import typing
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,7 +33,7 @@ from tpustream.config import (
     TrainConfig,
     TrainCrop,
 )
-from tpustream.config.keys import facts_of, keys_where
+from tpustream.config.keys import facts_of, fields_beside, is_known, keys_where
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.config_checks import check_data_config
 from tpustream.data.read.layout import plan_layout
@@ -49,7 +47,7 @@ def resolve_config(cfg: DictConfig) -> tuple[TrainConfig, dict[str, Any]]:
     """Resolve interpolations (Hydra's resolvers exist only in this process) and make paths absolute."""
     try:
         OmegaConf.resolve(cfg)
-        check_known_keys(cfg, TrainConfig)
+        check_known_keys(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(describe_config_error(exc)) from None
     for key in keys_where(path=True):
@@ -104,35 +102,34 @@ def describe_config_error(exc: OmegaConfBaseException) -> str:
     return f"{key}: {reason}" if key and key not in reason else reason
 
 
-def check_known_keys(cfg: DictConfig, schema: type, prefix: str = "") -> None:
-    """Every key of cfg is a field of the schema dataclass (recursively); else ConfigError naming it.
+def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Every key of cfg is the schema's (config.keys, recursively); else ConfigError naming it.
 
     Hydra accepts ``+optim.lrr=0.1`` (an explicit add) even on a typed
     config; the schema decides what the trainer reads, so an unknown key
     would be silently ignored.
     """
-    # get_type_hints resolves the schema's postponed (string) annotations to classes.
-    fields = typing.get_type_hints(schema)
     for key in cfg:
         name = f"{prefix}{key}"
-        if key not in fields:
-            raise ConfigError(describe_unknown_key(name, fields))
+        if not is_known(name):
+            raise ConfigError(describe_unknown_key(name))
         if facts_of(name).free_form:
             continue
         value = cfg._get_node(key)
-        if dataclasses.is_dataclass(fields[key]) and OmegaConf.is_dict(value):
-            check_known_keys(value, fields[key], f"{name}.")
+        if OmegaConf.is_dict(value):
+            check_known_keys(value, f"{name}.")
 
 
-def describe_unknown_key(name: str, fields: typing.Iterable[str]) -> str:
-    """'unknown config key optim.lrr (known here: lr)': the section's fields that start alike, else all."""
+def describe_unknown_key(name: str) -> str:
+    """'unknown config key optim.lrr (known here: lr)': its section's fields that start alike, else all."""
     key = name.rsplit(".", 1)[-1]
     if name.startswith("accelerator.") and key in Platform._fields:
         return (
             f"unknown config key {name}: the accelerator option's name decides the device type, runtime "
             f"and collectives (accelerator={', '.join(a.value for a in Accelerator)})"
         )
-    close = sorted(f for f in fields if f[:2] == key[:2]) or sorted(fields)
+    fields = fields_beside(name)
+    close = [f for f in fields if f[:2] == key[:2]] or fields
     return f"unknown config key {name} (known here: {', '.join(close)})"
 
 
@@ -144,22 +141,13 @@ def check_override_keys(argv: list[str]) -> str | None:
     Group choices (``data=cifar10``), additions (``+``), deletions (``~``)
     and Hydra's own keys are Hydra's to judge.
     """
-    from tpustream.config.keys import is_known, schema_keys
-
-    known = schema_keys()[1]
     for arg in argv:
         key, sep, _ = arg.partition("=")
         if not sep or arg.startswith(("-", "+", "~")) or key.startswith("hydra") or "." not in key:
             continue
-        if "@" in key or key.split(".")[0] not in known or is_known(key):
+        if "@" in key or not is_known(key.split(".")[0]) or is_known(key):
             continue
-        section = key.rsplit(".", 1)[0]
-        fields = [
-            k.rsplit(".", 1)[-1]
-            for k in known
-            if k.startswith(f"{section}.") and k.count(".") == key.count(".")
-        ]
-        return describe_unknown_key(key, fields)
+        return describe_unknown_key(key)
     return None
 
 
