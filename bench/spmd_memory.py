@@ -24,11 +24,11 @@ CPU_NUM_DEVICES=N: one process, an N-device mesh), read with
 runtime.spmd.device_bytes from the shards XLA really holds on the first
 device, padding included:
 
-    spmd_fsdp  SpmdRuntime("fsdp"); the model moved to the device and wrapped by
+    spmd_fsdp  SpmdRuntime on the fsdp preset; the model moved to the device and wrapped by
                training.spmd.shard_model with the config's fsdp_wrap_min_params;
                the optimizer state placed by training.spmd.shard_optimizer_state
                (what SpmdFsdpTrainer.place_optimizer_state runs).
-    spmd       SpmdRuntime("data"); every parameter and state tensor replicated
+    spmd       SpmdRuntime on the data preset; every parameter and state tensor replicated
                with runtime.replicate, as SpmdTrainer does. Replicated on 32
                virtual CPU devices, the model and its AdamW state would take
                32 x 1.24 GB = 40 GB of host memory at once, so this one is
@@ -78,7 +78,7 @@ OPTIMIZERS = ("sgd", "adamw")
 # CIFAR-10's; the seed's own study used CIFAR-100, whose head has 40,410 more
 # parameters (0.04%).
 NUM_CLASSES, IMAGE_SIZE, CHANNELS = 10, 32, 3
-MEASURED = {"spmd": "data", "spmd_fsdp": "fsdp"}  # strategy -> the mesh axis its runtime names
+MEASURED = ("spmd", "spmd_fsdp")  # the strategies measured on a mesh (their presets)
 
 
 def compose_configs() -> dict[str, TrainConfig]:
@@ -153,15 +153,19 @@ def computed_rows(configs: dict[str, TrainConfig], device_counts: list[int]) -> 
 def measure_spmd_fsdp(runtime: SpmdRuntime, configs: dict[str, TrainConfig]) -> dict:
     from tpustream.runtime.spmd import device_bytes
     from tpustream.training.optimizer import build_optimizer, prime_optimizer_state
+    from tpustream.training.sharding_rules import parameter_specs, rules_of
     from tpustream.training.spmd import shard_model, shard_optimizer_state
 
     cfg = configs["sgd"]
-    wrapped = shard_model(make_model(cfg).to(runtime.device), runtime.mesh, cfg.fsdp_wrap_min_params)
+    model = make_model(cfg).to(runtime.device)
+    specs = parameter_specs(model, runtime.mesh_shape.tensor, rules_of(cfg.mesh.rules))
+    by_param = {param: specs[name] for name, param in model.named_parameters()}
+    wrapped = shard_model(model, runtime, cfg.fsdp_wrap_min_params, specs)
     result = {"param_bytes": device_bytes(list(wrapped.parameters()))}
     for name, cfg in configs.items():
         optimizer = build_optimizer(cfg, wrapped)
         prime_optimizer_state(optimizer)
-        shard_optimizer_state(optimizer, runtime)
+        shard_optimizer_state(optimizer, runtime, by_param)
         result[f"{name}_state_bytes"] = device_bytes(state_tensors(optimizer, "xla"))
         del optimizer
     return result
@@ -196,10 +200,11 @@ def measure_spmd(runtime: SpmdRuntime, configs: dict[str, TrainConfig]) -> dict:
 
 def measure_in_this_process(strategy: str) -> None:
     """The child: one measured row as a JSON line on stdout (the parent sets PJRT_DEVICE, CPU_NUM_DEVICES)."""
+    # Before any XLA tensor exists (use_spmd).
+    from tpustream.config import MeshConfig, Strategy
     from tpustream.runtime import SpmdRuntime
 
-    # Before any XLA tensor exists (use_spmd).
-    runtime = SpmdRuntime(MEASURED[strategy])
+    runtime = SpmdRuntime(MeshConfig(), Strategy(strategy))
     configs = compose_configs()
     start = time.perf_counter()
     result = (

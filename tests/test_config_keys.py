@@ -65,6 +65,8 @@ def test_the_key_lists_are_derived_and_name_whole_sections_where_they_can():
     assert set(RESUME_MAY_DIFFER) == set(FINGERPRINT_IGNORES) | {
         "accelerator",
         "strategy",
+        "mesh",
+        "model.remat",
         "fsdp_wrap_min_params",
         "checkpoint",
         "log_steps",

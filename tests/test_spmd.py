@@ -236,14 +236,17 @@ import json, sys
 import torch
 import torch_xla
 from tpustream.runtime import SpmdRuntime
+from tpustream.config import MeshConfig, Strategy
+from tpustream.training.sharding_rules import BUILTIN_RULES, parameter_specs
 from tpustream.training.spmd import shard_model, device_bytes
 from tpustream.models import create_model
 
-runtime = SpmdRuntime("fsdp")
+runtime = SpmdRuntime(MeshConfig(), Strategy.spmd_fsdp)
 torch.manual_seed(0)
 model = create_model("wrn_seed", num_classes=10, image_size=32, channels=3)
 total = sum(p.numel() * p.element_size() for p in model.parameters())
-wrapped = shard_model(model.to(runtime.device), runtime.mesh, min_params=int(sys.argv[1]))
+specs = parameter_specs(model, 1, BUILTIN_RULES)
+wrapped = shard_model(model.to(runtime.device), runtime, int(sys.argv[1]), specs)
 specs = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in wrapped.named_parameters()}
 print(json.dumps({"total": total, "per_device": device_bytes(list(wrapped.parameters())), "specs": specs}))
 """

@@ -22,6 +22,8 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from tpustream.config.choices import (
+    BATCH_AXES,
+    MESH_AXES,
     PLATFORMS,
     SPMD_STRATEGIES,
     Accelerator,
@@ -52,11 +54,15 @@ from tpustream.config.schema import (
     CheckpointConfig,
     DataConfig,
     DebugConfig,
+    MeshConfig,
     TrainConfig,
     WatchdogConfig,
 )
 
 __all__ = [
+    "BATCH_AXES",
+    "MESH_AXES",
+    "MeshConfig",
     "PLATFORMS",
     "SPMD_STRATEGIES",
     "Accelerator",

@@ -124,6 +124,12 @@ class Strategy(str, Enum):
 # The strategies that run one GSPMD program per host instead of a process per device.
 SPMD_STRATEGIES = (Strategy.spmd, Strategy.spmd_fsdp)
 
+# The GSPMD mesh's axes, outermost first (mesh.*): slices over the data-centre
+# network, then a slice's devices. FSDPv2 requires the name "fsdp".
+MESH_AXES = ("slices", "data", "fsdp", "tensor")
+# The axes a batch is split over; the tensor axis sees the same samples.
+BATCH_AXES = ("slices", "data", "fsdp")
+
 
 class ModelLibrary(str, Enum):
     """Where model.name is looked up."""

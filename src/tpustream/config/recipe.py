@@ -55,6 +55,17 @@ class ModelConfig:
         "class count starts fresh. null or false = none.",
     )
 
+    remat: bool = setting(
+        False,
+        "Rematerialisation (activation checkpointing): keep only each block's input in the forward pass "
+        "and recompute the block in the backward pass: less activation memory for about a third more "
+        "compute, the same losses. A model's blocks are the modules of each innermost Sequential or "
+        "ModuleList of 2+ modules of one class (a ViT's blocks, a ResNet's residual blocks); on XLA "
+        "torch_xla's checkpoint (its optimisation barrier keeps XLA from undoing it), on the native "
+        "runtime torch.utils.checkpoint, non-reentrant.",
+        resume=OnResume.change,
+    )
+
     def wants_pretrained(self) -> bool:
         """model.pretrained names weights: not null, not false (Hydra hands this field false as "False")."""
         return self.pretrained is not None and self.pretrained.lower() != "false"

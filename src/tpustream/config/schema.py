@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from tpustream.config.choices import (
+    MESH_AXES,
     PLATFORMS,
     Accelerator,
     Collectives,
@@ -303,6 +304,86 @@ class AcceleratorConfig:
 
 
 @dataclass
+class MeshConfig:
+    """strategy=spmd / spmd_fsdp: the named device mesh one GSPMD program runs on (docs/large-models.md).
+
+    A slice's devices are data x fsdp x tensor; slices join over the
+    data-centre network. The batch is split over slices, data and fsdp;
+    parameters, gradients and optimizer state over fsdp (and, for the layers
+    mesh.rules match, tensor), and whole over data and slices.
+    """
+
+    data: int | None = setting(
+        None,
+        "Devices that each hold what fsdp and tensor leave of the model and split the batch (data "
+        "parallel). null = by the strategy: the rest of a slice's devices under spmd, 1 under spmd_fsdp; "
+        "-1 = the rest.",
+    )
+    fsdp: int | None = setting(
+        None,
+        "Devices that split the batch and shard parameters, gradients and optimizer state along each "
+        "parameter's largest dimension (FSDPv2, ZeRO-3). null = by the strategy: 1 under spmd, the rest "
+        "of a slice's devices under spmd_fsdp; -1 = the rest.",
+    )
+    tensor: int = setting(
+        1,
+        "Devices that split the weights of the layers mesh.rules match, and those layers' matmuls "
+        "(tensor parallelism); they work on the same samples. -1 = the rest of a slice's devices.",
+    )
+    slices: int = setting(
+        1,
+        "TPU slices joined over the data-centre network (multislice, torch_xla's HybridMesh): the batch "
+        "is split across them and the model is whole in each (data parallel over DCN).",
+    )
+    rules: list[Any] | None = setting(
+        None,
+        "Tensor-parallel sharding rules, used when mesh.tensor > 1: an ordered list of [parameter-name "
+        "pattern, partition spec], the first match wins; a pattern is a glob over the plain model's "
+        "parameter names (* matches anything), a spec has one entry per dimension: an axis name (fsdp, "
+        "tensor, data), a list of them, or null. Parameters no rule matches are split as FSDPv2 splits "
+        "them. null = the built-in rules for timm's ViT family and torchvision's ViT "
+        "(training.sharding_rules).",
+    )
+
+    def check(self) -> None:
+        """Sizes on their own (against the devices: runtime.mesh.mesh_shape)."""
+        for name in ("data", "fsdp", "tensor"):
+            value = getattr(self, name)
+            if value is not None and value != -1 and value < 1:
+                raise ConfigError(
+                    f"mesh.{name} must be >= 1, or -1 for the rest of a slice's devices, got {value}"
+                )
+        if self.slices < 1:
+            raise ConfigError(f"mesh.slices must be at least 1, got {self.slices}")
+        rest = [name for name in ("data", "fsdp", "tensor") if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ConfigError(
+                "only one mesh axis can be -1 (the rest of the devices), got "
+                + " and ".join(f"mesh.{name}=-1" for name in rest)
+            )
+        for index, rule in enumerate(self.rules or []):
+            if not (isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+                raise ConfigError(
+                    f"mesh.rules[{index}] must be [pattern, spec], e.g. ['blocks.*.mlp.fc1.weight', "
+                    f"[tensor, fsdp]], got {rule!r}"
+                )
+            spec = rule[1]
+            if not isinstance(spec, list | tuple):
+                raise ConfigError(
+                    f"mesh.rules[{index}]: the spec of {rule[0]!r} must be a list, one entry per "
+                    f"dimension, got {spec!r}"
+                )
+            for entry in spec:
+                names = list(entry) if isinstance(entry, list | tuple) else [entry]
+                for name in names:
+                    if name is not None and name not in MESH_AXES:
+                        raise ConfigError(
+                            f"mesh.rules[{index}]: {name!r} in the spec of {rule[0]!r} is not a mesh axis "
+                            f"({', '.join(MESH_AXES)})"
+                        )
+
+
+@dataclass
 class CheckpointConfig:
     """When last.pt is written besides every epoch end, how, and where it goes if output_dir fails."""
 
@@ -482,6 +563,7 @@ class TrainConfig:
         "sharded (FSDPv2); fsdp = PyTorch's FSDP2, native runtime only (docs/large-models.md).",
         resume=OnResume.change,
     )
+    mesh: MeshConfig = setting(factory=MeshConfig, resume=OnResume.change)
     fsdp_wrap_min_params: int = setting(
         1_000_000,
         "strategy=spmd_fsdp, and fsdp (FSDP2) on the native runtime: every submodule holding at least "
@@ -585,7 +667,7 @@ class TrainConfig:
         """
         for section in (self.data, self.optim, self.accelerator):
             section.check()
-        for section in (self.checkpoint, self.ema, self.augment, self.debug, self.watchdog):
+        for section in (self.mesh, self.checkpoint, self.ema, self.augment, self.debug, self.watchdog):
             section.check()
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0 (numpy seeds the data order with it), got {self.seed}")

@@ -8,6 +8,7 @@ all-reduce for the one that failed).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -25,6 +26,7 @@ from tpustream.config import (
     Collectives,
     Decode,
     Device,
+    MeshConfig,
     ModelLibrary,
     OptimizerName,
     Platform,
@@ -246,6 +248,33 @@ def check_config(cfg: TrainConfig) -> None:
     check_runtime_and_strategy(cfg)
 
 
+def check_mesh(cfg: TrainConfig) -> None:
+    """mesh.* belongs to the GSPMD strategies, and fits the devices where their count is known."""
+    if cfg.strategy not in SPMD_STRATEGIES:
+        unused = MeshConfig()
+        changed = [
+            f.name
+            for f in dataclasses.fields(MeshConfig)
+            if getattr(cfg.mesh, f.name) != getattr(unused, f.name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"mesh.{changed[0]} lays out the device mesh of strategy=spmd / spmd_fsdp; strategy="
+                f"{cfg.strategy.value} has none (docs/large-models.md)"
+            )
+        return
+    if cfg.mesh.slices > 1 and cfg.accelerator.device != Device.TPU:
+        raise ConfigError(
+            f"mesh.slices={cfg.mesh.slices}: multislice joins TPU slices over the data-centre network; "
+            f"accelerator={cfg.accelerator.name.value} is one machine"
+        )
+    devices = known_devices_per_replica(cfg)
+    if devices is not None:
+        from tpustream.runtime.mesh import mesh_shape
+
+        mesh_shape(cfg.mesh, cfg.strategy, devices)
+
+
 # The upstream bug that makes multi-device XLA:CPU unusable for training.
 CPU_COLLECTIVES_BUG = "https://github.com/pytorch/xla/issues/9089"
 
@@ -267,6 +296,7 @@ def check_runtime_and_strategy(cfg: TrainConfig) -> None:
                 "data.decode=device decodes JPEGs with nvJPEG on the native runtime (accelerator=cuda, "
                 "or cpu_eager to try it on the CPU); on TPUs and XLA devices use data.decode=host"
             )
+    check_mesh(cfg)
     if cfg.strategy in SPMD_STRATEGIES and cfg.debug.check_sync_every:
         raise ConfigError(
             f"debug.check_sync_every compares the replicas' copies of the model; strategy="

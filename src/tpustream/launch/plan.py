@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from tpustream.checkpoint import FORCE_RESUME, OVERWRITE_RESUME, find_resume, read_metrics
 from tpustream.checkpoint.local_tier import newer_local
-from tpustream.config import BestOf, Device, ModelLibrary, TrainConfig
+from tpustream.config import SPMD_STRATEGIES, BestOf, Device, ModelLibrary, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.layout import CanonicalPartition
 from tpustream.data.read.partition import choose_partition
@@ -128,6 +128,7 @@ def prepare(cfg: DictConfig, started_at: float | None = None) -> RunPlan:
     check_accelerator_present(typed)
     check_run_folders(typed)
     train, val = read_splits(typed, plain)
+    check_model_layout(typed, train)
     resume = continued_from(typed, plain, train)
     pretrained = None
     if typed.model.wants_pretrained() and not typed.eval_only:
@@ -236,6 +237,24 @@ def global_batch_error(saved_plan: dict[str, int], world_size: int, devices: int
         f"order is cut for it: {fix}, or set resume=force to continue with another global batch from "
         "the start of its epoch"
     )
+
+
+def check_model_layout(cfg: TrainConfig, train: ShardManifest) -> None:
+    """model.remat and mesh.tensor against the model (built on the meta device), before spawning.
+
+    A tensor axis of -1 is sized in the replica, which checks it there again.
+    """
+    tensor = cfg.mesh.tensor if cfg.strategy in SPMD_STRATEGIES else 1
+    if not cfg.model.remat and tensor in (1, -1):
+        return
+    from tpustream.models.remat import check_remat
+    from tpustream.training.sharding_rules import parameter_specs, rules_of
+
+    model = meta_model(cfg, train)
+    if cfg.model.remat:
+        check_remat(model, cfg.model.name)
+    if tensor not in (1, -1):
+        parameter_specs(model, tensor, rules_of(cfg.mesh.rules))
 
 
 def fetch_model_pretrained(cfg: TrainConfig, train: ShardManifest) -> tuple[str, list[str]]:

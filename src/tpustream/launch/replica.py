@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from tpustream.checkpoint import BEST, LAST, checkpoint_url, load_checkpoint
-from tpustream.config import DataConfig, TrainConfig
+from tpustream.config import DataConfig, RuntimeKind, TrainConfig
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.layout import describe_sharing
 from tpustream.errors import ConfigError
@@ -201,6 +201,16 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         from tpustream.models.pretrained import load_pretrained
 
         load_pretrained(model, *plan.pretrained)
+    if cfg.model.remat:
+        from tpustream.models.remat import rematerialize
+
+        blocks = rematerialize(model, cfg.model.name, xla=cfg.accelerator.runtime != RuntimeKind.native)
+        if runtime.is_master:
+            log.info(
+                "model.remat: %d blocks of %s recompute their activations in the backward pass",
+                blocks,
+                cfg.model.name,
+            )
     if streams is None:
         train_loader, val_loader = make_synthetic_sources(cfg, plan.train, runtime, replica_batch)
     else:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpustream import progress
-from tpustream.config import SPMD_STRATEGIES, Collectives, Device, RuntimeKind, Strategy, TrainConfig
+from tpustream.config import SPMD_STRATEGIES, Collectives, Device, RuntimeKind, TrainConfig
 from tpustream.errors import TpustreamError
 from tpustream.launch.auto_workers import local_replicas
 from tpustream.launch.checks import native_processes
@@ -42,9 +42,6 @@ from tpustream.preemption import Preempted, exit_with_parent, install_stop_handl
 from tpustream.watchdog import Limits, Reports, Watchdog, start_watchdog, stop_watchdog
 
 log = logging.getLogger(__name__)
-
-# The mesh axis of each GSPMD strategy: FSDPv2 requires the name "fsdp".
-SPMD_AXIS = {Strategy.spmd: "data", Strategy.spmd_fsdp: "fsdp"}
 
 # XLA:CPU compiles its LLVM code at -O3 by default. At -O1 a ResNet-18 train
 # step compiled in 15 s instead of 30-38 s here, and ran at the same speed
@@ -284,10 +281,13 @@ def spmd_replica_main(index: int, plan: RunPlan) -> None:
 
     from tpustream.runtime import SpmdRuntime
 
-    axis = SPMD_AXIS[plan.cfg.strategy]
+    cfg = plan.cfg
     xr.use_spmd()  # before anything asks the runtime about its devices
     replica_process(
-        plan, xr.process_index(), xr.process_count(), lambda: SpmdRuntime(axis, plan.cfg.xla_cache_dir)
+        plan,
+        xr.process_index(),
+        xr.process_count(),
+        lambda: SpmdRuntime(cfg.mesh, cfg.strategy, cfg.xla_cache_dir),
     )
 
 

@@ -1,5 +1,7 @@
 """One process per host drives all of its devices as one GSPMD program (strategy=spmd, spmd_fsdp).
 
+The devices form the named mesh of runtime.mesh (mesh.*).
+
 torch_xla's SPMD mode: the process sees one virtual device; a tensor's
 sharding over the device mesh is an annotation, and XLA's GSPMD partitioner
 compiles one program per device with the collectives it needs. So the step
@@ -9,7 +11,7 @@ no explicit all-reduce, and sums over a sharded batch are already global.
 Replicas, as the trainer counts them, are hosts: ``rank`` is this process's
 index and ``world_size`` the number of processes, each loading its own part of
 the global batch (the exact epoch plan split by host); the loader's batches
-become one global array sharded along the mesh's axis (minibatch sharding).
+become one global array sharded over the mesh's batch axes (minibatch sharding).
 Host values (stop votes, loader counts, bad shards, checkpoint pieces) go
 between hosts over a gloo group that torch_xla's xla:// rendezvous sets up;
 with one host they stay in the process. (Only the one-host case runs here:
@@ -21,26 +23,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 
+from tpustream.config import MeshConfig, Strategy
 from tpustream.observe.timing import InputWait
 from tpustream.runtime.device import ErrorKeepingIterable, XlaDevice, timed_parallel_loader, to_host
 from tpustream.runtime.gloo import HostCollectives
+from tpustream.runtime.mesh import INPUT_AXIS, batch_partition_spec, build_mesh, input_mesh, mesh_shape
 from tpustream.runtime.resident import is_resident
 from tpustream.runtime.staging import HostStaging
 
 
-def fsdp_partition_spec(shape: Sequence[int], axis: str) -> tuple[str | None, ...]:
-    """The sharding FSDPv2 gives a parameter: its largest dimension split along the mesh axis.
+def fsdp_partition_spec(shape: Sequence[int]) -> tuple[str | None, ...]:
+    """The sharding FSDPv2 gives a parameter: its largest dimension split along the "fsdp" axis.
 
     (torch_xla's ``_prepare_spmd_partition_spec`` with shard_maximal=True;
     optimizer state is sharded the same way as its parameter.)
     """
     spec: list[str | None] = [None] * len(shape)
     if spec:
-        spec[list(shape).index(max(shape))] = axis
+        spec[list(shape).index(max(shape))] = "fsdp"
     return tuple(spec)
 
 
@@ -118,17 +121,19 @@ def _assemble(state: Any, hosts: list[list[list[tuple[Any, torch.Tensor]]]], clo
 
 
 class _BatchSharding(dict):
-    """MpDeviceLoader's input_sharding: every batch field split along the mesh axis on dimension 0.
+    """MpDeviceLoader's input_sharding: every batch field split over all devices on dimension 0.
 
     torch_xla looks up one ShardingSpec per key, and a spec only applies to a
     tensor of its own rank (otherwise the tensor is silently replicated), so
     the specs are made per field from the ranks the loader's batches have.
+    The mesh is the run's mesh flattened (runtime.mesh.input_mesh): torch_xla
+    2.9's loader cannot place a tensor on a mesh of more than one axis, and
+    its minibatch sharding must split over every device.
     """
 
-    def __init__(self, mesh: Any, axis: str):
+    def __init__(self, mesh: Any):
         super().__init__()
         self.mesh = mesh
-        self.axis = axis
         self.ranks: dict[str, int] = {}
 
     def note(self, batch: dict[str, torch.Tensor]) -> None:
@@ -137,7 +142,7 @@ class _BatchSharding(dict):
                 import torch_xla.distributed.spmd as xs
 
                 self.ranks[key] = tensor.dim()
-                spec = (self.axis,) + (None,) * (tensor.dim() - 1)
+                spec = (INPUT_AXIS,) + (None,) * (tensor.dim() - 1)
                 self[key] = xs.ShardingSpec(self.mesh, spec, minibatch=True)
 
 
@@ -158,9 +163,9 @@ class _NotedBatches:
 
 
 class SpmdRuntime(HostCollectives, XlaDevice):
-    """This host's process, driving every device of a global mesh with one axis named ``axis``."""
+    """This host's process, driving every device of a global mesh named as mesh.* and the strategy say."""
 
-    def __init__(self, axis: str, compile_cache_dir: str | None = None):
+    def __init__(self, layout: MeshConfig, strategy: Strategy, compile_cache_dir: str | None = None):
         import torch_xla.runtime as xr
 
         # Before any tensor exists on an XLA device: the process's one virtual
@@ -174,8 +179,9 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         self.rank = xr.process_index()
         self.world_size = xr.process_count()
         self.local_rank = 0
-        self.axis = axis
-        self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), (axis,))
+        self.mesh_shape = mesh_shape(layout, strategy, self.num_devices)
+        self.mesh = build_mesh(self.mesh_shape)
+        self.input_mesh = input_mesh(self.mesh)
         xs.set_global_mesh(self.mesh)
         if self.world_size > 1:
             import torch.distributed as dist
@@ -189,11 +195,25 @@ class SpmdRuntime(HostCollectives, XlaDevice):
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         self.replicate(tensors)
 
-    def shard_like_parameter(self, tensor: torch.Tensor, shape: Sequence[int]) -> None:
-        """Split tensor as FSDPv2 splits a parameter of this shape (its largest dimension, over the axis)."""
+    def shard(self, tensor: torch.Tensor, spec: Sequence[Any]) -> None:
+        """Annotate a device tensor with a partition spec over this mesh's named axes."""
         import torch_xla.distributed.spmd as xs
 
-        xs.mark_sharding(tensor, self.mesh, fsdp_partition_spec(shape, self.axis))
+        xs.mark_sharding(tensor, self.mesh, tuple(spec))
+
+    def constrain_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        """Tell the partitioner how the step's batch is split: over the batch axes, whole along tensor.
+
+        Batches arrive split over every device (runtime.mesh.input_mesh),
+        which is that split when the tensor axis is 1; otherwise the devices
+        of a tensor group gather their pieces here.
+        """
+        if self.mesh_shape.tensor == 1:
+            return
+        import torch_xla.distributed.spmd as xs
+
+        for tensor in batch.values():
+            xs.annotate_custom_sharding(tensor, self.mesh, batch_partition_spec(tensor.dim()))
 
     def replicate(self, tensors: Iterable[torch.Tensor]) -> None:
         """Annotate device tensors as whole on every device.
@@ -212,7 +232,7 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         """A batch split over the mesh as the device loader's thread sends each one (minibatch sharding)."""
         import torch_xla.core.xla_model as xm
 
-        sharding = _BatchSharding(self.mesh, self.axis)
+        sharding = _BatchSharding(self.input_mesh)
         sharding.note(batch)
         return {key: xm.send_cpu_data_to_device(t, self.device, sharding[key])[0] for key, t in batch.items()}
 
@@ -220,7 +240,7 @@ class SpmdRuntime(HostCollectives, XlaDevice):
         if is_resident(loader):  # data.synthetic: sharded once, then XlaDevice's per-step marks
             yield from XlaDevice.device_loader(self, loader, wait)
             return
-        sharding = _BatchSharding(self.mesh, self.axis)
+        sharding = _BatchSharding(self.input_mesh)
         source = ErrorKeepingIterable(_NotedBatches(loader, sharding))
         yield from timed_parallel_loader(source, self.device, wait, input_sharding=sharding)
         if source.error is not None:

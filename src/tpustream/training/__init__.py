@@ -4,7 +4,8 @@
   evaluation, stop votes, and the hooks a strategy overrides;
 - ``fsdp2``: ``Fsdp2Trainer`` (strategy=fsdp, on the native runtime), PyTorch's FSDP2;
 - ``spmd``: ``SpmdTrainer`` / ``SpmdFsdpTrainer`` (strategy=spmd / spmd_fsdp), one
-  GSPMD program over the host's device mesh, the model replicated or sharded (FSDPv2);
+  GSPMD program over the named device mesh (mesh.*), the model replicated or split
+  (FSDPv2, and tensor-parallel by ``sharding_rules``);
 - ``state``: ``TrainState``, what a checkpoint holds, and the resume arithmetic;
 - ``report``: ``EpochRecord``, one typed record per epoch, and where it is written
   (log, TensorBoard, metrics.jsonl);
@@ -33,6 +34,11 @@ TRAINERS: dict[Strategy, type[Trainer]] = {
 }
 
 
-def make_trainer(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Trainer:
-    """The trainer of cfg.strategy, built with Trainer's arguments."""
-    return TRAINERS[cfg.strategy](cfg, *args, **kwargs)
+def make_trainer(
+    cfg: TrainConfig, config_dict: dict[str, Any], runtime: Any, *args: Any, **kwargs: Any
+) -> Trainer:
+    """The trainer of cfg.strategy (of the mesh, under spmd), built with Trainer's arguments."""
+    trainer = TRAINERS[cfg.strategy]
+    if trainer is SpmdTrainer and runtime.mesh_shape.shards_parameters:
+        trainer = SpmdFsdpTrainer  # strategy=spmd with mesh.fsdp or mesh.tensor above 1
+    return trainer(cfg, config_dict, runtime, *args, **kwargs)

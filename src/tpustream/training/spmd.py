@@ -1,11 +1,14 @@
 """strategy=spmd and spmd_fsdp: one GSPMD program over every device of the mesh.
 
-The trainer's step runs once per host on the whole global batch, sharded along
-the mesh axis; XLA's partitioner turns it into one program per device with
-the collectives it needs. ``spmd`` replicates the model (data parallel, with
+The trainer's step runs once per host on the whole global batch, split over
+the mesh's batch axes (runtime.mesh); XLA's partitioner turns it into one
+program per device with the collectives it needs. On a mesh of data devices
+only (strategy=spmd's preset) the model is replicated (data parallel, with
 BatchNorm statistics over the global batch, as one device with the whole
-batch computes them); ``spmd_fsdp`` shards parameters, gradients and
-optimizer state along the axis too (torch_xla's FSDPv2).
+batch computes them); with an fsdp axis (spmd_fsdp's preset) parameters,
+gradients and optimizer state are split too (torch_xla's FSDPv2), and with a
+tensor axis the layers mesh.rules match are split across it as well
+(training.sharding_rules).
 
 Checkpoints hold the whole model under the plain model's keys and the
 optimizer state in the plain layout (tensors copied to the host come back
@@ -24,7 +27,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from tpustream.runtime.mesh import batch_partition_spec
 from tpustream.runtime.spmd import SpmdRuntime, device_bytes
+from tpustream.training.sharding_rules import Spec, parameter_specs, rules_of
+from tpustream.training.sharding_rules import announce as announce_rules
 from tpustream.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -33,24 +39,37 @@ log = logging.getLogger(__name__)
 WRAPPER_PREFIX = "_orig_module."
 
 
-def shard_model(model: nn.Module, mesh: Any, min_params: int) -> nn.Module:
-    """FSDPv2 over the mesh's "fsdp" axis: submodules of min_params+ parameters are units of their own.
+def shard_model(model: nn.Module, runtime: SpmdRuntime, min_params: int, specs: dict[str, Spec]) -> nn.Module:
+    """FSDPv2 over the mesh: submodules of min_params+ parameters are units of their own.
 
-    Every parameter is split along its largest dimension; a unit's output is
-    sharded along the batch, which makes XLA gather each unit's weights just
-    before it runs and free them after.
+    Each parameter is split as specs say (training.sharding_rules: FSDPv2's
+    split, its largest dimension over fsdp, unless a tensor-parallel rule
+    matched it); a unit's output is split along the batch, which makes XLA
+    gather each unit's weights just before it runs and free them after.
     """
     from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
+    # FSDPv2 leaves a parameter that already has a sharding as it is.
+    for name, param in model.named_parameters():
+        runtime.shard(param, specs[name])
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=min_params) if min_params else None
     # FSDPv2's backward hook on the root module fires on the output, as the
     # images need no gradient; torch warns at every run's first backward.
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-    return SpmdFullyShardedDataParallel(model, mesh=mesh, auto_wrap_policy=policy)
+
+    def shard_output(output: torch.Tensor, mesh: Any) -> None:
+        # FSDPv2's default splits the batch over fsdp only, whole over data and slices.
+        runtime.shard(output, batch_partition_spec(output.dim()))
+
+    return SpmdFullyShardedDataParallel(
+        model, mesh=runtime.mesh, auto_wrap_policy=policy, shard_output=shard_output
+    )
 
 
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, runtime: SpmdRuntime) -> None:
+def shard_optimizer_state(
+    optimizer: torch.optim.Optimizer, runtime: SpmdRuntime, specs: dict[nn.Parameter, Spec]
+) -> None:
     """Shard each state tensor as its parameter is: no device ever holds all of it.
 
     A module-level function, not only the trainer's hook, so that
@@ -61,7 +80,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, runtime: SpmdRuntime
             if not isinstance(value, torch.Tensor) or value.device.type != "xla":
                 continue
             if value.shape == param.shape and value.dim() > 0:
-                runtime.shard_like_parameter(value, param.shape)
+                runtime.shard(value, specs[param])
             else:
                 runtime.replicate([value])
 
@@ -103,20 +122,22 @@ class SpmdTrainer(Trainer):
         pass
 
     def split_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        """Micro-batch i takes slice i of every device's share, so no sample changes device.
+        """Micro-batch i takes slice i of every batch shard's part, so no sample changes device.
 
         (Slices of the global batch would each live on a few devices and be
         moved around.) Each micro-batch then holds what ddp's replicas put in
         theirs.
         """
+        self.runtime.constrain_batch(batch)
         count = self.cfg.micro_batches
         if count == 1:
             yield batch
             return
-        devices, size = self.runtime.num_devices, self.cfg.batch_size // count
+        shape = self.runtime.mesh_shape
+        shards, size = shape.batch_shards, self.cfg.batch_size * shape.tensor // count
         for index in range(count):
             yield {
-                name: tensor.unflatten(0, (devices, -1)).narrow(1, index * size, size).flatten(0, 1)
+                name: tensor.unflatten(0, (shards, -1)).narrow(1, index * size, size).flatten(0, 1)
                 for name, tensor in batch.items()
             }
 
@@ -129,25 +150,37 @@ class SpmdTrainer(Trainer):
 
 
 class SpmdFsdpTrainer(SpmdTrainer):
-    """strategy=spmd_fsdp: parameters, gradients and optimizer state sharded along the mesh (FSDPv2)."""
+    """Parameters, gradients and optimizer state split over the mesh's fsdp axis (FSDPv2), and the
+    layers mesh.rules match over its tensor axis: strategy=spmd_fsdp, or any mesh with fsdp or
+    tensor above 1."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # Each wrapped parameter's split (the weight average's too), for its optimizer state.
+        self.parameter_specs: dict[nn.Parameter, Spec] = {}
+        super().__init__(*args, **kwargs)
 
     def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
         minimum = self.cfg.fsdp_wrap_min_params
+        shape = self.runtime.mesh_shape
+        specs = parameter_specs(model, shape.tensor, rules_of(self.cfg.mesh.rules))
+        self.parameter_specs.update({param: specs[name] for name, param in model.named_parameters()})
         # BatchNorm's statistics stay whole on every device (FSDPv2 shards parameters only).
         self.runtime.replicate(model.buffers())
-        wrapped = shard_model(model, self.runtime.mesh, minimum)
+        wrapped = shard_model(model, self.runtime, minimum, specs)
         self._states_placed = False
         if self.runtime.is_master and announce:
             log.info(
-                "strategy=spmd_fsdp: FSDP units: %d (submodules of %d+ parameters, and the rest), "
-                "parameters sharded over %d device(s): %.1f MB of %.1f MB on each",
+                "strategy=%s on a mesh of %s: FSDP units: %d (submodules of %d+ parameters, and the "
+                "rest), parameters %.1f MB of %.1f MB on each device",
+                self.cfg.strategy.value,
+                shape.describe(),
                 sum(isinstance(m, type(wrapped)) for m in wrapped.modules()),
                 minimum,
-                self.runtime.num_devices,
                 device_bytes(list(wrapped.parameters())) / 1e6,
                 sum(p.numel() * p.element_size() for p in wrapped.parameters()) / 1e6,
             )
+            announce_rules(specs, shape.tensor, self.cfg.model.name)
         return wrapped
 
     def place_optimizer_state(self) -> None:
-        shard_optimizer_state(self.optimizer, self.runtime)
+        shard_optimizer_state(self.optimizer, self.runtime, self.parameter_specs)
