@@ -312,3 +312,71 @@ def test_checkpoints_cross_between_ddp_and_spmd(
 def step_losses(log: str) -> dict[tuple[int, int], float]:
     pattern = r"Epoch=(\d+) Step=(\d+) Loss=([0-9.]+)"
     return {(int(e), int(s)): float(loss) for e, s, loss in re.findall(pattern, log)}
+
+
+# A tiny timm ViT (2 heads, hidden 32) on one shard of the digits: 8 steps of a global batch
+# of 32 on 4 devices. The 2-D runs recompute their blocks (model.remat) too.
+VIT_STEPS = 8
+VIT_STOP = 3
+VIT = (
+    "model=timm",
+    "model.name=vit_tiny_patch16_224",
+    "+model.options.img_size=32",
+    "+model.options.patch_size=4",
+    "+model.options.embed_dim=32",
+    "+model.options.depth=2",
+    "+model.options.num_heads=2",
+    "accelerator.num_devices=4",
+    "batch_size=8",
+)
+TWO_D = ("strategy=spmd", "mesh.fsdp=2", "mesh.tensor=2", "model.remat=true")
+
+
+def vit_train(root: str, run: str, *overrides: str, code: int = 0) -> str:
+    result = run_train(
+        f"data.root={root}",
+        f"data.train_shards='{root}/train/train-000000.tar'",
+        f"output_dir={run}",
+        f"hydra.run.dir={run}-hydra",
+        "data.num_workers=0",
+        "log_steps=1",
+        "epochs=1",
+        "accelerator.in_process=true",
+        *VIT,
+        *overrides,
+    )
+    assert result.returncode == code, result.stderr[-3000:]
+    return result.stderr
+
+
+def test_a_vit_on_a_2d_mesh_follows_fsdp_and_resumes_bitwise(digits_root, tmp_path):
+    """(fsdp=2, tensor=2) with remat against fsdp=4: the same steps to float rounding; stopped and
+    resumed bit for bit; checkpoints under the plain model's keys, which fsdp=4 continues on 2-D."""
+    stop = (f"debug.stop_at_step={VIT_STOP}",)
+    fsdp_log = vit_train(digits_root, str(tmp_path / "fsdp"), "strategy=spmd_fsdp", *stop, code=STOPPED)
+    straight_log = vit_train(digits_root, str(tmp_path / "2d"), *TWO_D)
+    assert "mesh of data=1 x fsdp=2 x tensor=2" in straight_log
+    assert "mesh.tensor=2 splits 12 parameter(s)" in straight_log
+    assert "model.remat: 2 blocks of vit_tiny_patch16_224" in straight_log
+    fsdp, straight = step_losses(fsdp_log), step_losses(straight_log)
+    for step in range(VIT_STOP):
+        assert straight[0, step] == pytest.approx(fsdp[0, step], abs=2e-5), step
+
+    stopped = str(tmp_path / "2d-stopped")
+    vit_train(digits_root, stopped, *TWO_D, *stop, code=STOPPED)
+    import timm
+
+    plain = timm.create_model(
+        VIT[1].split("=")[1], img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2
+    )
+    assert last(stopped)["model"].keys() == plain.state_dict().keys()  # no wrapper or remat names
+    assert_close_weights(last(stopped)["model"], last(str(tmp_path / "fsdp"))["model"], WEIGHT_TOLERANCE)
+    vit_train(digits_root, stopped, *TWO_D)
+    assert_same_run(stopped, str(tmp_path / "2d"), steps=VIT_STEPS)
+
+    # fsdp=4's checkpoint continues on the 2-D mesh, at its step.
+    crossed = str(tmp_path / "crossed")
+    shutil.copytree(str(tmp_path / "fsdp"), crossed)
+    resumed_log = vit_train(digits_root, crossed, *TWO_D)
+    assert f"at epoch 0, step {VIT_STOP}" in resumed_log and "starts fresh" not in resumed_log
+    assert last(crossed)["global_step"] == VIT_STEPS
