@@ -106,6 +106,32 @@ TRIVIAL = ("augment.trivialaugment=true",)
             "drives every device of the host",
         ),
         (["strategy=spmd", "debug.check_sync_every=5"], "strategy=spmd runs one program with one model"),
+        # The mesh (mesh.*): the GSPMD strategies', fitting the devices, before anything is spawned.
+        (["mesh.fsdp=2"], r"mesh.fsdp lays out the device mesh of strategy=spmd / spmd_fsdp; strategy=ddp"),
+        (
+            ["strategy=spmd", "accelerator.num_devices=4", "mesh.fsdp=3"],
+            r"mesh: mesh.data=null x mesh.fsdp=3 x mesh.tensor=1 does not divide a slice's 4 devices",
+        ),
+        (["strategy=spmd", "accelerator.num_devices=4", "mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis"),
+        (["strategy=spmd", "accelerator.num_devices=4", "mesh.slices=2"], "multislice joins TPU slices"),
+        (["strategy=spmd", "mesh.rules=[[x,[model]]]"], r"'model' in the spec of 'x' is not a mesh axis"),
+        (["strategy=spmd_fsdp", "accelerator.num_devices=4", "mesh.fsdp=2", "mesh.tensor=2"], None),
+        (
+            [
+                "strategy=spmd",
+                "accelerator.num_devices=4",
+                "mesh.tensor=2",
+                "model=timm",
+                "model.name=vit_tiny_patch16_224",
+                "+model.options.img_size=32",
+                "+model.options.patch_size=4",
+                "+model.options.embed_dim=48",
+                "+model.options.num_heads=3",
+            ],
+            r"mesh.tensor=2 does not divide the 3 heads of blocks.0.attn",
+        ),
+        (["model.remat=true"], r"model.remat=true: small_cnn has no blocks to recompute"),
+        (["model=resnet18", "model.remat=true"], None),
         # A replica (this host) loads batch_size per device: 4 x 400 is more than the 1438 samples.
         (
             ["strategy=spmd_fsdp", "accelerator.num_devices=4", "batch_size=400"],
