@@ -39,6 +39,18 @@ def test_a_second_pod_host_waits_for_host_zero_instead_of_counting(unindexed, mo
     assert split.counts_from.endswith("(written by host 0)")
 
 
+def test_only_the_first_host_of_the_first_slice_counts(unindexed, monkeypatch):
+    """Multislice: every slice has a host 0; slice 1's waits for slice 0's like any other host."""
+    monkeypatch.setenv("TPUSTREAM_HOST_INDEX", "0")
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    monkeypatch.setenv("TPUSTREAM_INDEX_WAIT_SECONDS", "0.01")
+    monkeypatch.setattr(counting, "count_shards", lambda *a, **k: pytest.fail("slice 1's host 0 counted"))
+    with pytest.raises(ConfigError, match="pod host 0 wrote no index"):
+        hosts.load_split_on_this_host(unindexed, "train", DIGITS, sleep=lambda s: None)
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "0")
+    assert hosts.counts_shards()
+
+
 def test_a_second_pod_host_gives_up_naming_the_folder(unindexed, monkeypatch):
     monkeypatch.setenv("TPUSTREAM_HOST_INDEX", "1")
     monkeypatch.setenv("TPUSTREAM_INDEX_WAIT_SECONDS", "0.01")

@@ -112,7 +112,10 @@ TRIVIAL = ("augment.trivialaugment=true",)
             ["strategy=spmd", "accelerator.num_devices=4", "mesh.fsdp=3"],
             r"mesh: mesh.data=null x mesh.fsdp=3 x mesh.tensor=1 does not divide a slice's 4 devices",
         ),
-        (["strategy=spmd", "accelerator.num_devices=4", "mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis"),
+        (
+            ["strategy=spmd", "accelerator.num_devices=4", "mesh.data=-1", "mesh.fsdp=-1"],
+            "only one mesh axis",
+        ),
         (["strategy=spmd", "accelerator.num_devices=4", "mesh.slices=2"], "multislice joins TPU slices"),
         (["strategy=spmd", "mesh.rules=[[x,[model]]]"], r"'model' in the spec of 'x' is not a mesh axis"),
         (["strategy=spmd_fsdp", "accelerator.num_devices=4", "mesh.fsdp=2", "mesh.tensor=2"], None),

@@ -178,6 +178,32 @@ def test_spot_name_env_and_shared_memory(capsys):
     assert pod["terminationGracePeriodSeconds"] == 60
 
 
+def test_num_slices_makes_a_job_per_slice_joined_over_dcn(capsys):
+    """--num-slices 2: two Jobs of the slice's hosts, every pod told the slice count, its slice (its
+    Job's index) and slice 0's first host, as xpk and Ray's TPU support set them."""
+    command = ["python", "train.py", "strategy=spmd", "mesh.slices=2", "output_dir=gs://b/runs/r"]
+    document = manifest(
+        capsys, "--type", "v5litepod-16", "--image", "i", "--num-slices", "2", command=command
+    )
+    job = slice_job(document)
+    assert job["replicas"] == 2
+    assert job["template"]["spec"]["completions"] == SLICE_TYPES["v5litepod-16"].hosts
+    # Each Job on a node pool (a physical slice) of its own.
+    annotations = document["metadata"]["annotations"]
+    assert annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    env = {item["name"]: item for item in job["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MEGASCALE_NUM_SLICES"]["value"] == "2"
+    assert env["MEGASCALE_SLICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['jobset.sigs.k8s.io/job-index']"
+    )
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "tpustream-slice-0-0.tpustream:8081"
+    assert env["MEGASCALE_PORT"]["value"] == "8081"
+    # One slice: none of it.
+    single = slice_job(manifest(capsys, *V4))
+    names = {item["name"] for item in single["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert single["replicas"] == 1 and not any(name.startswith("MEGASCALE") for name in names)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -213,6 +239,13 @@ def test_spot_name_env_and_shared_memory(capsys):
             "output_dir=/data/runs/x is not a gs://BUCKET/... URL, so it does not outlive the pods",
         ),
         ([*V4, "--", "python", "train.py", "output_dir=gs://"], "output_dir=gs:// is not a gs://BUCKET/"),
+        (
+            [*V4, "--num-slices", "2", "--", *COMMAND],
+            "--num-slices 2, but the command sets no mesh.slices (1): add mesh.slices=2 and strategy=spmd",
+        ),
+        ([*V4, "--num-slices", "2", "--", *COMMAND, "mesh.slices=4"], "the command sets mesh.slices=4"),
+        ([*V4, "--num-slices", "0", "--", *COMMAND], "--num-slices must be at least 1, got 0"),
+        ([*V4, "--", *COMMAND, "mesh.slices=2"], "--num-slices 1, but the command sets mesh.slices=2"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(capsys, argv, message):

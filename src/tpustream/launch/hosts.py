@@ -28,7 +28,7 @@ INDEX_POLL_SECONDS = 5.0
 
 
 def host_index() -> int:
-    """This host's index in a multi-host job (0 when alone).
+    """This host's index in its slice of a multi-host job (0 when alone).
 
     As the pod launcher sets it (TPUSTREAM_HOST_INDEX), else a native job's
     NODE_RANK (torchrun's convention).
@@ -39,6 +39,21 @@ def host_index() -> int:
         return int(value)
     except ValueError:
         raise ConfigError(f"{name}={value!r}: expected a host number") from None
+
+
+def slice_index() -> int:
+    """This host's TPU slice in a multislice job (0 when one slice): MEGASCALE_SLICE_ID, the TPU
+    runtime's own, as tpustream-pod --num-slices sets it."""
+    value = os.environ.get("MEGASCALE_SLICE_ID") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"MEGASCALE_SLICE_ID={value!r}: expected a slice number") from None
+
+
+def counts_shards() -> bool:
+    """Whether this host counts shards without recorded sample counts: the first host of the first slice."""
+    return host_index() == 0 and slice_index() == 0
 
 
 def runs_on_one_host(cfg: TrainConfig) -> bool:
@@ -64,7 +79,7 @@ def load_split_on_this_host(
     sleep: Callable[[float], None] = time.sleep,
 ) -> ShardManifest:
     """load_split as this pod host may: host 0 counts what is missing, the others wait for its index."""
-    if host_index() == 0:
+    if counts_shards():
         return load_split(spec, split, options)
     options = dataclasses.replace(options, counting_host=False)
     deadline = time.monotonic() + index_wait_seconds()

@@ -1,10 +1,12 @@
-"""``tpustream-pod gke-manifest``: the same training on GKE, as a JobSet manifest for one TPU slice.
+"""``tpustream-pod gke-manifest``: the same training on GKE, as a JobSet manifest for TPU slices.
 
     tpustream-pod gke-manifest --type v5litepod-16 --image IMAGE -- \\
         python train.py accelerator=tpu output_dir=gs://BUCKET/runs/r50 ... | kubectl apply -f -
 
-One replicated job, one Job per slice, one pod per host (completions and
-parallelism = the slice's hosts), placed by GKE's TPU node labels
+One replicated job, one Job per slice (``--num-slices N``: N Jobs, each on a
+node pool of its own, their hosts given the megascale variables that join the
+slices over DCN; the command's mesh.slices must say N), one pod per host
+(completions and parallelism = the slice's hosts), placed by GKE's TPU node labels
 (``cloud.google.com/gke-tpu-accelerator``, ``cloud.google.com/gke-tpu-topology``),
 each asking for its host's chips (``google.com/tpu``). GKE injects TPU_WORKER_ID
 and TPU_WORKER_HOSTNAMES into the pods of an Indexed Job that asks for TPUs;
@@ -40,7 +42,7 @@ import re
 
 from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, ConfigError
 from tpustream.pod.manifest_yaml import to_yaml
-from tpustream.pod.spec import command_output_dir, is_bucket_url, parse_env
+from tpustream.pod.spec import command_output_dir, command_override, is_bucket_url, parse_env
 from tpustream.pod.types import SLICE_TYPES, SliceType, slice_type
 from tpustream.pod.usage import UsageParser, split_command
 
@@ -52,6 +54,11 @@ SPOT_LABEL = "cloud.google.com/gke-spot"
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 # The Job's index (0 .. hosts-1), as Kubernetes sets it on every pod of an Indexed Job.
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# The replicated job of slices, and a pod's Job's index in it (its slice), as JobSet labels pods.
+REPLICATED_JOB = "slice"
+JOB_INDEX = "metadata.labels['jobset.sigs.k8s.io/job-index']"
+# The megascale (DCN) port of slice 0's first host, as xpk and Ray's TPU support use.
+MEGASCALE_PORT = 8081
 # A Kubernetes quantity of bytes (k8s.io/apimachinery resource.Quantity): a number with a
 # binary (Ki ... Ei) or decimal (k, M ... E) suffix, an exponent, or none. No "m": that is
 # milli, not Docker's mebibytes, and would ask for a /dev/shm of a fraction of a byte.
@@ -99,11 +106,33 @@ def failure_policy(max_restarts: int) -> dict:
     }
 
 
-def container(kind: SliceType, image: str, command: list[str], env: tuple[tuple[str, str], ...]) -> dict:
+def multislice_env(name: str, slices: int) -> list[dict]:
+    """What the TPU runtime of every host needs to join ``slices`` slices over DCN (megascale).
+
+    As xpk and Ray's TPU support set it: the slice count, this pod's slice (its
+    Job's index in the replicated job), and the first host of slice 0, by the
+    DNS name JobSet gives it (JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.JOBSET).
+    """
+    if slices == 1:
+        return []
+    coordinator = f"{name}-{REPLICATED_JOB}-0-0.{name}:{MEGASCALE_PORT}"
+    return [
+        {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
+        {"name": "MEGASCALE_SLICE_ID", "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}},
+        {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": coordinator},
+        {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)},
+    ]
+
+
+def container(
+    kind: SliceType, image: str, command: list[str], env: tuple[tuple[str, str], ...], multislice: list[dict]
+) -> dict:
     variables = [
         {"name": "PJRT_DEVICE", "value": "TPU"},
-        # train.py's host index (tpustream.launch.hosts): host 0 counts shards the others wait for.
+        # train.py's host index within its slice (tpustream.launch.hosts): host 0 of slice 0
+        # counts shards the others wait for.
         {"name": "TPUSTREAM_HOST_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+        *multislice,
         *({"name": name, "value": value} for name, value in env),
     ]
     return {
@@ -133,7 +162,11 @@ def pod_spec(kind: SliceType, args: argparse.Namespace, command: list[str]) -> d
         "terminationGracePeriodSeconds": args.termination_grace,
         "nodeSelector": selector,
         "tolerations": tolerations,
-        "containers": [container(kind, args.image, command, parse_env(args.env))],
+        "containers": [
+            container(
+                kind, args.image, command, parse_env(args.env), multislice_env(args.name, args.num_slices)
+            )
+        ],
         # DataLoader workers hand batches over through /dev/shm (as docker run --shm-size).
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": args.shm_size}}],
     }
@@ -168,6 +201,19 @@ def check_output_dir(command: list[str]) -> None:
     )
 
 
+def check_num_slices(slices: int, command: list[str]) -> None:
+    """--num-slices and the command's mesh.slices say the same (1 each when neither is given)."""
+    if slices < 1:
+        raise ConfigError(f"--num-slices must be at least 1, got {slices}")
+    meshed = command_override(command, "mesh.slices")
+    if (meshed or "1") != str(slices):
+        said = f"sets mesh.slices={meshed}" if meshed else "sets no mesh.slices (1)"
+        raise ConfigError(
+            f"--num-slices {slices}, but the command {said}: add mesh.slices={slices} and strategy=spmd "
+            "(docs/large-models.md, Multislice)"
+        )
+
+
 def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str]) -> dict:
     """The JobSet for one slice of ``kind`` running ``command`` on every host."""
     if kind.gke_accelerator is None:
@@ -180,6 +226,7 @@ def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str
         )
     check_shm_size(args.shm_size)
     check_output_dir(command)
+    check_num_slices(args.num_slices, command)
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
@@ -192,8 +239,8 @@ def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str
             "failurePolicy": failure_policy(args.max_restarts),
             "replicatedJobs": [
                 {
-                    "name": "slice",
-                    "replicas": 1,
+                    "name": REPLICATED_JOB,
+                    "replicas": args.num_slices,  # one Job per slice, each on a node pool of its own
                     "template": {
                         "spec": {
                             "completionMode": "Indexed",
@@ -233,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shm-size", default="16Gi", help="/dev/shm per pod, a Kubernetes quantity (default 16Gi)"
     )
+    parser.add_argument(
+        "--num-slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="slices of --type joined over DCN (multislice; the command sets mesh.slices=N) (default 1)",
+    )
     return parser
 
 
@@ -245,8 +299,9 @@ def gke_main(argv: list[str]) -> int:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     kind = slice_type(args.type)
     manifest = jobset_manifest(kind, args, command)
+    slices = f"{args.num_slices} slices of " if args.num_slices > 1 else ""
     header = (
-        f"# {kind.name} on GKE: {kind.hosts} pod(s) x {kind.chips_per_host} chip(s), topology "
+        f"# {slices}{kind.name} on GKE: {kind.hosts} pod(s) x {kind.chips_per_host} chip(s), topology "
         f"{kind.topology} (node pools of {kind.gke_machine_type}); made by tpustream-pod gke-manifest\n"
         f"# Restarts: after exit {PREEMPTED_EXIT_CODE} (preempted, last.pt saved) or an eviction, "
         f"as often as they come; after exit {HUNG_EXIT_CODE} (hung: stacks in output_dir/watchdog/) or "

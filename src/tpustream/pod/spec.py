@@ -14,7 +14,6 @@ DEFAULT_WORKDIR = "~/tpustream"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # How a Hydra command line sets a key: key=v, +key=v (add it), ++key=v (add or override).
-_OUTPUT_DIR = re.compile(r"\+{0,2}output_dir=(.*)\Z", re.S)
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,15 @@ def command_output_dir(command: Iterable[str]) -> str | None:
     under outputs/ in the working directory of each host, which a fresh node
     does not have.
     """
+    return command_override(command, "output_dir")
+
+
+def command_override(command: Iterable[str], key: str) -> str | None:
+    """The value a train.py command line gives a config key (its last override, Hydra's quotes removed)."""
+    pattern = re.compile(rf"\+{{0,2}}{re.escape(key)}=(.*)\Z", re.S)
     value = None
     for token in command:
-        match = _OUTPUT_DIR.match(token)
+        match = pattern.match(token)
         if match:
             value = match.group(1)
     if value and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
