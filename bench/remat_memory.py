@@ -51,7 +51,9 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_in_this_process(runtime: str, model_name: str, image_size: int, batch: int, remat: bool) -> dict:
+def measure_in_this_process(
+    runtime: str, model_name: str, image_size: int, batch: int, remat: bool, patch_size: int | None
+) -> dict:
     """The child: one step, its peak and its loss."""
     import timm
     import torch
@@ -61,7 +63,8 @@ def measure_in_this_process(runtime: str, model_name: str, image_size: int, batc
 
     xla = runtime == "xla"
     torch.manual_seed(0)
-    model = timm.create_model(model_name, img_size=image_size, num_classes=1000)
+    patch = {} if patch_size is None else {"patch_size": patch_size}
+    model = timm.create_model(model_name, img_size=image_size, num_classes=1000, **patch)
     blocks = rematerialize(model, model_name, xla=xla) if remat else 0
     if xla:
         import torch_xla
@@ -121,9 +124,12 @@ def compiled_step(dump: Path) -> dict:
     }
 
 
-def measure(runtime: str, model: str, image_size: int, batch: int, remat: bool) -> dict:
+def measure(
+    runtime: str, model: str, image_size: int, batch: int, remat: bool, patch_size: int | None
+) -> dict:
     env = {**os.environ}
     command = [sys.executable, "-m", "bench.remat_memory", "--child", runtime, "--model", model]
+    command += [] if patch_size is None else ["--patch-size", str(patch_size)]
     command += ["--image-size", str(image_size), "--batch", str(batch), *(["--remat"] if remat else [])]
     with tempfile.TemporaryDirectory() as folder:
         if runtime == "xla":
@@ -151,20 +157,20 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"a timm ViT (default {DEFAULT_MODEL})")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--patch-size", type=int, help="the model's patch size, if not its own")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "remat_memory.json")
     parser.add_argument("--child", choices=["native", "xla"], help=argparse.SUPPRESS)
     parser.add_argument("--remat", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(
-            json.dumps(
-                measure_in_this_process(args.child, args.model, args.image_size, args.batch, args.remat)
-            )
+        measured = measure_in_this_process(
+            args.child, args.model, args.image_size, args.batch, args.remat, args.patch_size
         )
+        print(json.dumps(measured))
         return
     start = time.perf_counter()
     rows = [
-        measure(runtime, args.model, args.image_size, args.batch, remat)
+        measure(runtime, args.model, args.image_size, args.batch, remat, args.patch_size)
         for runtime in args.runtime
         for remat in (False, True)
     ]
@@ -178,6 +184,7 @@ def main() -> None:
         "command": shlex.join(["python", "-m", "bench.remat_memory", *sys.argv[1:]]),
         "model": args.model,
         "image_size": args.image_size,
+        "patch_size": args.patch_size,
         "batch": args.batch,
         "rows": rows,
         "seconds": round(time.perf_counter() - start, 1),
