@@ -193,7 +193,7 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output.relative_to(REPO)}")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

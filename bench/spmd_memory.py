@@ -1,4 +1,5 @@
-"""Bytes of parameters and optimizer state that each strategy leaves on one device, for wrn_seed.
+"""What one device holds: each strategy's parameters and optimizer state for wrn_seed, and what fits
+of the ViT family on a mesh.
 
 Reproduce (from the repository root; the devices are virtual XLA CPU devices,
 no accelerator needed):
@@ -43,7 +44,34 @@ Computed (no XLA device), from the parameter shapes:
                the sum of numel x element_size of the parameters and of the
                state tensors build_optimizer + prime_optimizer_state create.
 
-Not counted, for any strategy: activations (they depend on the batch size),
+ViTs (timm's ViT-B/16, ViT-L/16, ViT-H/14 and the ~1B-parameter ViT-g/14, 1000
+classes, at 224 and 480 px), per chip on meshes of --vit-devices chips, as
+(fsdp=N) and (fsdp=N/2, tensor=2):
+
+    state        float32 parameters, gradients and AdamW's two moments as the
+                 trainer splits them (training.sharding_rules with the
+                 built-in rules; a split dimension padded up), computed from
+                 the shapes; for ViT-B/16 and ViT-L/16 on 8 devices also read
+                 from the shards the trainer's placement leaves on the first
+                 device of an 8-device XLA CPU mesh, which must be the same.
+    activations  what autograd keeps from the forward pass for one sample:
+                 its saved tensors other than parameters, float32, counted by
+                 running the model on the meta device (shapes only, so the
+                 1B-parameter model costs nothing); with model.remat, every
+                 block's input, what the rest of the model keeps, and one
+                 block's own (the one being recomputed). Attention counts as
+                 its math form (the attention probabilities kept), as XLA
+                 lowers it; precision=bf16 keeps many of them in half the bytes.
+    plan         per chip (v5e 16 GiB, v5p 95 GiB), chip count, size and remat,
+                 on (fsdp=N): each ViT's largest batch per chip whose
+                 activations fit beside its state, and the largest of the four
+                 that fits --vit-batch samples a chip. Not counted: the FSDP
+                 unit gathered while it runs, the step's temporaries and what
+                 XLA's fusion keeps or drops; the compiled step's own peak is
+                 not read here: on XLA:CPU it is not the TPU's (docs/large-models.md,
+                 "What fits").
+
+Not counted in the wrn_seed rows, for any strategy: activations (they depend on the batch size),
 gradients (parameter-sized, sharded like the parameters by
 spmd_fsdp), BatchNorm's running statistics (50 KB, whole on every device),
 AdamW's step counters (host scalars), and the transient whole copy of each
@@ -55,6 +83,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import resource
@@ -69,7 +98,8 @@ import torch
 import torch.nn as nn
 
 from bench.harness import REPO
-from tpustream.config import TrainConfig
+from tpustream.config import MESH_AXES, TrainConfig
+from tpustream.runtime.mesh import MeshShape
 
 if TYPE_CHECKING:
     from tpustream.runtime import SpmdRuntime
@@ -238,6 +268,239 @@ def measured_row(strategy: str, devices: int) -> dict:
     return {"strategy": strategy, "devices": devices, "how": "measured", **result}
 
 
+# ---------------------------------------------------------------- ViTs: what fits
+
+# (label, timm name): the ViT family's big members, timm's shapes; ViT-g/14 is big_vision's
+# "giant" (width 1408, depth 40, MLP 6144: about 1.0B parameters).
+VITS = (
+    ("ViT-B/16", "vit_base_patch16_224"),
+    ("ViT-L/16", "vit_large_patch16_224"),
+    ("ViT-H/14", "vit_huge_patch14_224"),
+    ("ViT-g/14", "vit_giant_patch14_224"),
+)
+VIT_SIZES = (224, 480)
+VIT_CLASSES = 1000
+GIB = 2**30
+# Bytes of float32 state per parameter element: the weight, its gradient, AdamW's two moments.
+ADAMW_COPIES = 4
+
+
+def vit_meta(name: str, size: int) -> nn.Module:
+    """timm's model for size-pixel images, on the meta device (shapes only, nothing allocated).
+
+    A /14 model at 480 px sees 34 x 34 patches (its last 4 pixels unused), as timm builds it.
+    """
+    import timm
+
+    with torch.device("meta"):
+        return timm.create_model(name, img_size=size, num_classes=VIT_CLASSES)
+
+
+def state_bytes_per_device(model: nn.Module, shape: MeshShape) -> dict[str, int]:
+    """Parameters, gradients and AdamW state on one device of this mesh, float32, as the trainer
+    splits them (training.sharding_rules; a split dimension padded to a multiple of its axes)."""
+    from tpustream.training.sharding_rules import BUILTIN_RULES, parameter_specs
+
+    specs = parameter_specs(model, shape.tensor, BUILTIN_RULES)
+    sizes = dict(zip(MESH_AXES, shape.sizes, strict=True))
+    elements = 0
+    for name, param in model.named_parameters():
+        dims = list(param.shape)
+        for dim, entry in enumerate(specs[name]):
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if axis is not None:
+                    dims[dim] = -(-dims[dim] // sizes[axis])
+        elements += math.prod(dims)
+    return {"param_bytes": 4 * elements, "grad_bytes": 4 * elements, "adamw_state_bytes": 8 * elements}
+
+
+def saved_activation_bytes(model: nn.Module, size: int) -> dict[str, int]:
+    """What autograd keeps from the forward pass for one sample, by its saved tensors (parameters
+    excluded), counted on the meta device, without and with model.remat.
+
+    With remat a block keeps only its input; in the backward pass one block at a time is
+    recomputed, so the most is every block's input, what the rest of the model keeps, and the
+    largest block's own saved tensors.
+    """
+    from tpustream.models.remat import model_blocks
+
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    blocks = model_blocks(model)
+    saved: dict[int, tuple[int, int]] = {}  # storage -> (bytes, block index or -1)
+    current = [-1]
+    block_inputs = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            saved.setdefault(storage._cdata, (storage.nbytes(), current[0]))
+        return tensor
+
+    def enter(index: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            nonlocal block_inputs
+            current[0] = index
+            block_inputs += args[0].numel() * args[0].element_size()
+
+        return hook
+
+    def leave(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        current[0] = -1
+
+    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    try:
+        images = torch.empty(1, 3, size, size, device="meta")
+        labels = torch.zeros(1, dtype=torch.long, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            torch.nn.functional.cross_entropy(model(images), labels)
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_block = [0] * len(blocks)
+    outside = 0
+    for nbytes_, block in saved.values():
+        if block < 0:
+            outside += nbytes_
+        else:
+            per_block[block] += nbytes_
+    return {
+        "activation_bytes": outside + sum(per_block),
+        "remat_activation_bytes": outside + block_inputs + max(per_block),
+    }
+
+
+def vit_rows(device_counts: list[int], batch: int) -> list[dict]:
+    """For each ViT and size: per device state on (fsdp=N) and (fsdp=N/2, tensor=2), and activations."""
+    rows = []
+    for label, name in VITS:
+        for size in VIT_SIZES:
+            start = time.perf_counter()
+            model = vit_meta(name, size)
+            activations = saved_activation_bytes(model, size)
+            parameters = sum(p.numel() for p in model.parameters())
+            for devices in device_counts:
+                for tensor in (1, 2):
+                    shape = MeshShape(1, 1, devices // tensor, tensor)
+                    row = {"model": label, "timm": name, "image_size": size, "parameters": parameters}
+                    row |= {"mesh": shape.describe(), "devices": devices, "batch_per_device": batch}
+                    row |= state_bytes_per_device(model, shape) | activations
+                    rows.append(row)
+            print(f"{label} at {size}: counted in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return rows
+
+
+def measure_vit_state_in_this_process(name: str, tensor: int) -> None:
+    """The child: a ViT's parameters and AdamW state as the trainer places them on this mesh, read
+    from the shards the first device holds (the parent sets CPU_NUM_DEVICES)."""
+    import timm
+
+    from tpustream.config import MeshConfig, Strategy
+    from tpustream.runtime import SpmdRuntime
+    from tpustream.runtime.spmd import device_bytes
+    from tpustream.training.optimizer import prime_optimizer_state
+    from tpustream.training.sharding_rules import BUILTIN_RULES, parameter_specs
+    from tpustream.training.spmd import shard_model, shard_optimizer_state
+
+    runtime = SpmdRuntime(MeshConfig(tensor=tensor), Strategy.spmd_fsdp)
+    model = timm.create_model(name, num_classes=VIT_CLASSES).to(runtime.device)
+    specs = parameter_specs(model, tensor, BUILTIN_RULES)
+    by_param = {param: specs[key] for key, param in model.named_parameters()}
+    wrapped = shard_model(model, runtime, 1_000_000, specs)
+    optimizer = torch.optim.AdamW(wrapped.parameters())
+    prime_optimizer_state(optimizer)
+    shard_optimizer_state(optimizer, runtime, by_param)
+    print(
+        json.dumps(
+            {
+                "mesh": runtime.mesh_shape.describe(),
+                "param_bytes": device_bytes(list(wrapped.parameters())),
+                "adamw_state_bytes": device_bytes(state_tensors(optimizer, "xla")),
+            }
+        )
+    )
+
+
+def measured_vit_state(name: str, devices: int, tensor: int) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
+    command = [sys.executable, "-m", "bench.spmd_memory", "--measure-vit", name, str(tensor)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring {name} (tensor={tensor}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_vit_state(rows: list[dict], devices: int) -> list[dict]:
+    """The computed state of ViT-B/16 and ViT-L/16 against the shards measured on a devices-mesh."""
+    checks = []
+    for row in rows:
+        if (
+            row["devices"] != devices
+            or row["image_size"] != 224
+            or row["model"] not in ("ViT-B/16", "ViT-L/16")
+        ):
+            continue
+        tensor = 2 if "tensor=2" in row["mesh"] else 1
+        measured = measured_vit_state(row["timm"], devices, tensor)
+        same = all(measured[key] == row[key] for key in ("param_bytes", "adamw_state_bytes"))
+        checks.append(
+            {"model": row["model"], "mesh": row["mesh"], "computed_equals_measured": same, **measured}
+        )
+        print(
+            f"{row['model']} {row['mesh']}: measured shards equal the computed bytes: {same}", file=sys.stderr
+        )
+    return checks
+
+
+def largest_batch(row: dict, memory: float, remat: bool) -> int:
+    """The most samples per chip whose activations fit beside the state (0: the state alone does not)."""
+    activations = row["remat_activation_bytes" if remat else "activation_bytes"]
+    free = memory - (row["param_bytes"] + row["grad_bytes"] + row["adamw_state_bytes"])
+    return max(0, int(free // activations))
+
+
+# The chips the plan is made for: v5e's 16 GiB and v5p's 95 GiB of HBM a chip.
+CHIPS = (("v5e", 16 * GIB), ("v5p", 95 * GIB))
+
+
+def fitting_plan(rows: list[dict], batch: int) -> dict:
+    """On (fsdp=N): each ViT's largest batch per chip, and the largest ViT that fits at `batch`."""
+    order = [label for label, _ in VITS]
+    batches, largest = [], []
+    for row in rows:
+        if "tensor=2" in row["mesh"]:
+            continue
+        for chip, memory in CHIPS:
+            for remat in (False, True):
+                most = largest_batch(row, memory, remat)
+                batches.append(
+                    {"model": row["model"], "image_size": row["image_size"], "devices": row["devices"]}
+                    | {"chip": chip, "remat": remat, "largest_batch": most}
+                )
+    for chip, _ in CHIPS:
+        for devices in sorted({row["devices"] for row in rows}):
+            for size in VIT_SIZES:
+                for remat in (False, True):
+                    fit = [
+                        entry["model"]
+                        for entry in batches
+                        if (entry["chip"], entry["devices"], entry["image_size"], entry["remat"])
+                        == (chip, devices, size, remat)
+                        and entry["largest_batch"] >= batch
+                    ]
+                    best = max(fit, key=order.index, default=None)
+                    largest.append(
+                        {
+                            "chip": chip,
+                            "devices": devices,
+                            "image_size": size,
+                            "remat": remat,
+                            "largest": best,
+                        }
+                    )
+    return {"largest_batch": batches, "largest_model": largest}
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -259,16 +522,66 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def vit_table(rows: list[dict]) -> str:
+    def gib(value: float) -> str:
+        return f"{value / GIB:,.2f}"
+
+    lines = [
+        "| model | params | px | chips | mesh | params+grads+AdamW GiB/chip | activations GiB/sample "
+        "| with remat GiB/sample |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        state = row["param_bytes"] + row["grad_bytes"] + row["adamw_state_bytes"]
+        lines.append(
+            f"| {row['model']} | {row['parameters'] / 1e6:,.0f}M | {row['image_size']} | {row['devices']} "
+            f"| {row['mesh']} | {gib(state)} | {gib(row['activation_bytes'])} "
+            f"| {gib(row['remat_activation_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
+def plan_table(plan: dict, devices: list[int]) -> str:
+    """Rows: model, size, remat; columns: the largest batch per chip on each chip type and count."""
+    columns = [(chip, n) for chip, _ in CHIPS for n in devices]
+    header = " | ".join(f"{chip} x{n}" for chip, n in columns)
+    lines = [f"| model | px | remat | {header} |", "| --- | ---: | --- |" + " ---: |" * len(columns)]
+    by_key = {
+        (e["model"], e["image_size"], e["remat"], e["chip"], e["devices"]): e["largest_batch"]
+        for e in plan["largest_batch"]
+    }
+    for label, _ in VITS:
+        for size in VIT_SIZES:
+            for remat in (False, True):
+                cells = " | ".join(str(by_key[label, size, remat, chip, n]) for chip, n in columns)
+                lines.append(f"| {label} | {size} | {remat} | {cells} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.spmd_memory", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--devices", type=int, nargs="+", default=[8, 32], help="mesh sizes N (default: 8 32)"
     )
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "spmd_memory.json")
+    parser.add_argument(
+        "--vit-devices",
+        type=int,
+        nargs="+",
+        default=[8, 64, 256],
+        help="chips for the ViT plan (default: 8 64 256)",
+    )
+    parser.add_argument(
+        "--vit-batch", type=int, default=8, help="per-device batch of the ViT plan (default 8)"
+    )
     parser.add_argument("--measure", choices=sorted(MEASURED), help=argparse.SUPPRESS)  # the child's entry
+    parser.add_argument("--measure-vit", nargs=2, metavar=("NAME", "TENSOR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         measure_in_this_process(args.measure)
+        return
+    if args.measure_vit:
+        measure_vit_state_in_this_process(args.measure_vit[0], int(args.measure_vit[1]))
         return
 
     # The children set their own; without a device type torch_xla warns that it picks CPU.
@@ -294,6 +607,14 @@ def main() -> None:
         print(f"N={devices}: spmd (measured) holds the whole model and state on a device, as ddp: {same}")
     print(f"{parameters:,} parameters; took {seconds:.0f}s")
 
+    vit_start = time.perf_counter()
+    vits = vit_rows(args.vit_devices, args.vit_batch)
+    checks = check_vit_state(vits, 8)
+    plan = fitting_plan(vits, args.vit_batch)
+    print(vit_table(vits))
+    print(plan_table(plan, args.vit_devices))
+    vit_seconds = time.perf_counter() - vit_start
+
     import torch_xla
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +631,15 @@ def main() -> None:
         "megabyte": 10**6,
         "rows": rows,
         "seconds": round(seconds, 1),
+        "vit": {
+            "batch_per_device": args.vit_batch,
+            "activations": "autograd's saved tensors for one sample, float32, counted on the meta device",
+            "state": "float32 parameters, gradients and AdamW moments as training.sharding_rules splits them",
+            "rows": vits,
+            "checked_on_8_devices": checks,
+            "plan": plan,
+            "seconds": round(vit_seconds, 1),
+        },
         "torch": torch.__version__,
         "torch_xla": torch_xla.__version__,
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
