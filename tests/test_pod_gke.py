@@ -180,7 +180,7 @@ def test_spot_name_env_and_shared_memory(capsys):
 
 def test_num_slices_makes_a_job_per_slice_joined_over_dcn(capsys):
     """--num-slices 2: two Jobs of the slice's hosts, every pod told the slice count, its slice (its
-    Job's index) and slice 0's first host, as xpk and Ray's TPU support set them."""
+    Job's index) and slice 0's first host, the variables Ray's TPU support sets."""
     command = ["python", "train.py", "strategy=spmd", "mesh.slices=2", "output_dir=gs://b/runs/r"]
     document = manifest(
         capsys, "--type", "v5litepod-16", "--image", "i", "--num-slices", "2", command=command

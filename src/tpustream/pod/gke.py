@@ -57,7 +57,7 @@ COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 # The replicated job of slices, and a pod's Job's index in it (its slice), as JobSet labels pods.
 REPLICATED_JOB = "slice"
 JOB_INDEX = "metadata.labels['jobset.sigs.k8s.io/job-index']"
-# The megascale (DCN) port of slice 0's first host, as xpk and Ray's TPU support use.
+# The megascale (DCN) port of slice 0's first host, Ray's TPU support's default.
 MEGASCALE_PORT = 8081
 # A Kubernetes quantity of bytes (k8s.io/apimachinery resource.Quantity): a number with a
 # binary (Ki ... Ei) or decimal (k, M ... E) suffix, an exponent, or none. No "m": that is
@@ -109,9 +109,12 @@ def failure_policy(max_restarts: int) -> dict:
 def multislice_env(name: str, slices: int) -> list[dict]:
     """What the TPU runtime of every host needs to join ``slices`` slices over DCN (megascale).
 
-    As xpk and Ray's TPU support set it: the slice count, this pod's slice (its
-    Job's index in the replicated job), and the first host of slice 0, by the
-    DNS name JobSet gives it (JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.JOBSET).
+    The four variables Ray's TPU support sets (ray.util.tpu.get_tpu_coordinator_env_vars,
+    port 8081): the slice count, this pod's slice (its Job's index in the
+    replicated job, as xpk's Pathways template takes it), and the first host of
+    slice 0, by the DNS name JobSet gives it (JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.JOBSET,
+    the form xpk gives its coordinators). GKE's TPU webhook may set them too; which
+    wins has not been seen on a cluster.
     """
     if slices == 1:
         return []
