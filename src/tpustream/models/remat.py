@@ -46,13 +46,9 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules of each innermost Sequential or ModuleList of 2+ modules of one class, in order."""
     blocks = []
     for container in model.modules():
-        if not isinstance(container, nn.Sequential | nn.ModuleList):
+        if not _repeats(container) or not any(p.requires_grad for p in container.parameters()):
             continue
         children = list(container.children())
-        if len(children) < 2 or len({type(child) for child in children}) != 1:
-            continue
-        if not any(p.requires_grad for p in container.parameters()):
-            continue
         if any(_repeats(inner) for child in children for inner in child.modules()):
             continue  # not innermost: its children hold repeated blocks of their own
         blocks.extend(children)
@@ -60,6 +56,7 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _repeats(module: nn.Module) -> bool:
+    """A Sequential or ModuleList of two or more modules of one class."""
     if not isinstance(module, nn.Sequential | nn.ModuleList):
         return False
     children = list(module.children())
