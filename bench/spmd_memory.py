@@ -183,14 +183,12 @@ def computed_rows(configs: dict[str, TrainConfig], device_counts: list[int]) -> 
 def measure_spmd_fsdp(runtime: SpmdRuntime, configs: dict[str, TrainConfig]) -> dict:
     from tpustream.runtime.spmd import device_bytes
     from tpustream.training.optimizer import build_optimizer, prime_optimizer_state
-    from tpustream.training.sharding_rules import parameter_specs, rules_of
+    from tpustream.training.sharding_rules import rules_of
     from tpustream.training.spmd import shard_model, shard_optimizer_state
 
     cfg = configs["sgd"]
     model = make_model(cfg).to(runtime.device)
-    specs = parameter_specs(model, runtime.mesh_shape.tensor, rules_of(cfg.mesh.rules))
-    by_param = {param: specs[name] for name, param in model.named_parameters()}
-    wrapped = shard_model(model, runtime, cfg.fsdp_wrap_min_params, specs)
+    wrapped, by_param = shard_model(model, runtime, cfg.fsdp_wrap_min_params, rules_of(cfg.mesh.rules))
     result = {"param_bytes": device_bytes(list(wrapped.parameters()))}
     for name, cfg in configs.items():
         optimizer = build_optimizer(cfg, wrapped)
@@ -399,14 +397,12 @@ def measure_vit_state_in_this_process(name: str, tensor: int) -> None:
     from tpustream.runtime import SpmdRuntime
     from tpustream.runtime.spmd import device_bytes
     from tpustream.training.optimizer import prime_optimizer_state
-    from tpustream.training.sharding_rules import BUILTIN_RULES, parameter_specs
+    from tpustream.training.sharding_rules import BUILTIN_RULES
     from tpustream.training.spmd import shard_model, shard_optimizer_state
 
     runtime = SpmdRuntime(MeshConfig(tensor=tensor), Strategy.spmd_fsdp)
     model = timm.create_model(name, num_classes=VIT_CLASSES).to(runtime.device)
-    specs = parameter_specs(model, tensor, BUILTIN_RULES)
-    by_param = {param: specs[key] for key, param in model.named_parameters()}
-    wrapped = shard_model(model, runtime, 1_000_000, specs)
+    wrapped, by_param = shard_model(model, runtime, 1_000_000, BUILTIN_RULES)
     optimizer = torch.optim.AdamW(wrapped.parameters())
     prime_optimizer_state(optimizer)
     shard_optimizer_state(optimizer, runtime, by_param)

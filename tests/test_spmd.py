@@ -237,7 +237,7 @@ import torch
 import torch_xla
 from tpustream.runtime import SpmdRuntime
 from tpustream.config import MeshConfig, Strategy
-from tpustream.training.sharding_rules import BUILTIN_RULES, parameter_specs
+from tpustream.training.sharding_rules import BUILTIN_RULES
 from tpustream.training.spmd import shard_model, device_bytes
 from tpustream.models import create_model
 
@@ -245,8 +245,7 @@ runtime = SpmdRuntime(MeshConfig(), Strategy.spmd_fsdp)
 torch.manual_seed(0)
 model = create_model("wrn_seed", num_classes=10, image_size=32, channels=3)
 total = sum(p.numel() * p.element_size() for p in model.parameters())
-specs = parameter_specs(model, 1, BUILTIN_RULES)
-wrapped = shard_model(model.to(runtime.device), runtime, int(sys.argv[1]), specs)
+wrapped, _ = shard_model(model.to(runtime.device), runtime, int(sys.argv[1]), BUILTIN_RULES)
 specs = {name: torch_xla._XLAC._get_xla_sharding_spec(p) for name, p in wrapped.named_parameters()}
 print(json.dumps({"total": total, "per_device": device_bytes(list(wrapped.parameters())), "specs": specs}))
 """

@@ -14,12 +14,13 @@ ResNets. A block's class is swapped for a subclass whose forward recomputes,
 so the model's state_dict keys (and checkpoints) do not change.
 
 On XLA the recomputation must survive the compiler: the forward's and the
-recomputed activations are the same expressions of the same inputs, and
-XLA's common-subexpression elimination merges them back (plain
-torch.utils.checkpoint saves nothing there). torch_xla's checkpoint puts an
-optimisation barrier on the block's inputs, weights and buffers before the
-recomputation, which XLA cannot see through. On the native runtime
-torch.utils.checkpoint, non-reentrant.
+recomputed activations are the same expressions of the same inputs, which
+XLA's common-subexpression elimination would merge back. torch_xla's
+checkpoint puts an optimisation barrier on the block's inputs, weights,
+buffers and incoming gradient before the recomputation, which XLA cannot see
+through. (torch.utils.checkpoint, which timm's set_grad_checkpointing calls,
+does not run on an XLA device with torch 2.9: its RNG handling asks for
+torch.xla.) On the native runtime torch.utils.checkpoint, non-reentrant.
 
 BatchNorm inside a recomputed block would update its running statistics
 twice a step; the recomputation normalises by the batch's statistics without

@@ -24,7 +24,7 @@ from tpustream.errors import ConfigError
 # The axis a strategy gives the devices mesh.* leaves unassigned (null): spmd is
 # data parallel, spmd_fsdp shards the model over every device (FSDPv2).
 STRATEGY_AXIS = {Strategy.spmd: "data", Strategy.spmd_fsdp: "fsdp"}
-SLICE_AXES = ("data", "fsdp", "tensor")
+SLICE_AXES = MESH_AXES[1:]  # a slice's own: data, fsdp, tensor
 
 
 @dataclass(frozen=True)

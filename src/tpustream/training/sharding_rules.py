@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -129,12 +129,12 @@ def _heads_by_parameter(model: nn.Module) -> dict[str, tuple[str, int]]:
     return heads
 
 
-def tensor_split(specs: dict[str, Spec]) -> list[str]:
-    """The parameters split over the tensor axis."""
-    return [name for name, spec in specs.items() if any(axis == "tensor" for _, axis in _axes(spec))]
+def tensor_split(specs: Mapping[Any, Spec]) -> list[Any]:
+    """The parameters (the keys of specs: names or the parameters) split over the tensor axis."""
+    return [key for key, spec in specs.items() if any(axis == "tensor" for _, axis in _axes(spec))]
 
 
-def announce(specs: dict[str, Spec], tensor: int, model_name: str) -> None:
+def announce(specs: Mapping[Any, Spec], tensor: int, model_name: str) -> None:
     """Say once what the tensor axis does for this model."""
     if tensor == 1:
         return

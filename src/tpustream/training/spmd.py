@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from tpustream.runtime.mesh import batch_partition_spec
 from tpustream.runtime.spmd import SpmdRuntime, device_bytes
-from tpustream.training.sharding_rules import Spec, parameter_specs, rules_of
+from tpustream.training.sharding_rules import Rule, Spec, parameter_specs, rules_of
 from tpustream.training.sharding_rules import announce as announce_rules
 from tpustream.training.trainer import Trainer
 
@@ -39,17 +39,24 @@ log = logging.getLogger(__name__)
 WRAPPER_PREFIX = "_orig_module."
 
 
-def shard_model(model: nn.Module, runtime: SpmdRuntime, min_params: int, specs: dict[str, Spec]) -> nn.Module:
-    """FSDPv2 over the mesh: submodules of min_params+ parameters are units of their own.
+def shard_model(
+    model: nn.Module, runtime: SpmdRuntime, min_params: int, rules: Sequence[Rule]
+) -> tuple[nn.Module, dict[nn.Parameter, Spec]]:
+    """The model split over the mesh as training splits it, and each parameter's partition spec.
 
-    Each parameter is split as specs say (training.sharding_rules: FSDPv2's
-    split, its largest dimension over fsdp, unless a tensor-parallel rule
-    matched it); a unit's output is split along the batch, which makes XLA
-    gather each unit's weights just before it runs and free them after.
+    Each parameter is split by the first of rules that matches it, or as
+    FSDPv2 splits it, its largest dimension over fsdp (training.sharding_rules,
+    which refuses what the mesh cannot split); buffers (BatchNorm's statistics)
+    stay whole on every device. FSDPv2 makes submodules of min_params+
+    parameters units of their own; a unit's output is split along the batch,
+    which makes XLA gather each unit's weights just before it runs and free
+    them after. The specs are for the optimizer state (shard_optimizer_state).
     """
     from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
+    specs = parameter_specs(model, runtime.mesh_shape.tensor, rules)
+    runtime.replicate(model.buffers())
     # FSDPv2 leaves a parameter that already has a sharding as it is.
     for name, param in model.named_parameters():
         runtime.shard(param, specs[name])
@@ -62,9 +69,11 @@ def shard_model(model: nn.Module, runtime: SpmdRuntime, min_params: int, specs: 
         # FSDPv2's default splits the batch over fsdp only, whole over data and slices.
         runtime.shard(output, batch_partition_spec(output.dim()))
 
-    return SpmdFullyShardedDataParallel(
+    by_parameter = {param: specs[name] for name, param in model.named_parameters()}
+    wrapped = SpmdFullyShardedDataParallel(
         model, mesh=runtime.mesh, auto_wrap_policy=policy, shard_output=shard_output
     )
+    return wrapped, by_parameter
 
 
 def shard_optimizer_state(
@@ -162,11 +171,8 @@ class SpmdFsdpTrainer(SpmdTrainer):
     def wrap_model(self, model: nn.Module, announce: bool = True) -> nn.Module:
         minimum = self.cfg.fsdp_wrap_min_params
         shape = self.runtime.mesh_shape
-        specs = parameter_specs(model, shape.tensor, rules_of(self.cfg.mesh.rules))
-        self.parameter_specs.update({param: specs[name] for name, param in model.named_parameters()})
-        # BatchNorm's statistics stay whole on every device (FSDPv2 shards parameters only).
-        self.runtime.replicate(model.buffers())
-        wrapped = shard_model(model, self.runtime, minimum, specs)
+        wrapped, specs = shard_model(model, self.runtime, minimum, rules_of(self.cfg.mesh.rules))
+        self.parameter_specs.update(specs)
         self._states_placed = False
         if self.runtime.is_master and announce:
             log.info(
