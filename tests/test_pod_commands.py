@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from tpustream.errors import PREEMPTED_EXIT_CODE
+import pytest
+
+from tpustream.errors import PREEMPTED_EXIT_CODE, ConfigError
 from tpustream.pod import commands
 from tpustream.pod.spec import LaunchSpec
 
@@ -67,7 +71,7 @@ def spec(**changes) -> LaunchSpec:
 
 def test_remote_command_quotes_every_token_and_keeps_the_home_tilde():
     s = spec(command=(".venv/bin/python", "train.py", *OVERRIDES), env=(("MSG", "a $b c"),))
-    remote = commands.remote_run_command(s, 0, "r1")
+    remote = commands.remote_run_command(s, commands.Worker("tpu1", 0), "r1")
     assert remote.startswith("cd ~/tpustream && setsid --wait sh -c ") and remote.endswith("; exit $?")
     record = 'mkdir -p "$HOME/.tpustream/runs" && echo $$ > "$HOME/.tpustream/runs/r1.0.pid" && exec "$@"'
     assert shlex.split(remote.removesuffix("; exit $?")) == [
@@ -82,24 +86,78 @@ def test_remote_command_quotes_every_token_and_keeps_the_home_tilde():
 
 def test_gcloud_commands_name_the_tpu_zone_project_and_worker():
     s = spec(project="my-proj")
-    assert commands.worker_commands(s, 2, "r1") == [
-        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tpu1", f"--worker={w}",
+    workers = commands.launch_workers(s, 2)
+    assert [str(w) for w in workers] == ["worker 0", "worker 1"]
+    assert commands.worker_commands(s, workers, "r1") == [
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tpu1", f"--worker={w.host}",
          f"--command={commands.remote_run_command(s, w, 'r1')}", "--zone=europe-west4-a", "--project=my-proj"]
-        for w in (0, 1)
+        for w in workers
     ]  # fmt: skip
     # Each host knows its index (only host 0 counts unindexed shards) and has its own pid file.
-    assert "env PJRT_DEVICE=TPU TPUSTREAM_HOST_INDEX=1 " in commands.remote_run_command(s, 1, "r1")
-    assert '/.tpustream/runs/r1.1.pid"' in commands.remote_run_command(s, 1, "r1")
-    assert commands.describe_command(spec()) == [
+    second = commands.remote_run_command(s, workers[1], "r1")
+    assert "env PJRT_DEVICE=TPU TPUSTREAM_HOST_INDEX=1 " in second and '/.tpustream/runs/r1.1.pid"' in second
+    assert "MEGASCALE" not in second
+    assert commands.describe_command(spec(), "tpu1") == [
         "gcloud", "compute", "tpus", "tpu-vm", "describe", "tpu1", "--format=json", "--zone=europe-west4-a",
     ]  # fmt: skip
-    cleanup = commands.cleanup_command(s, "r1")
+    (cleanup,) = commands.cleanup_commands(s, "r1")
     assert (
         cleanup[5:7] == ["tpu1", "--worker=all"]
         and cleanup[7] == f"--command={commands.cleanup_script('r1')}"
     )
     # Only this launch's pid files; no command-line pattern.
     assert '"$HOME"/.tpustream/runs/r1.*.pid' in cleanup[7] and "pgrep" not in cleanup[7]
+
+
+def test_several_slices_run_on_every_host_of_every_node_joined_by_megascale():
+    command = (".venv/bin/python", "train.py", "strategy=spmd", "mesh.slices=2")
+    s = spec(num_slices=2, command=command)
+    assert s.nodes == ("tpu1-0", "tpu1-1")  # the queued resource's nodes, NAME as the prefix
+    workers = commands.launch_workers(s, 2)
+    assert [(w.node, w.host, str(w)) for w in workers] == [
+        ("tpu1-0", 0, "slice 0 worker 0"), ("tpu1-0", 1, "slice 0 worker 1"),
+        ("tpu1-1", 0, "slice 1 worker 0"), ("tpu1-1", 1, "slice 1 worker 1"),
+    ]  # fmt: skip
+    argvs = commands.worker_commands(s, workers, "r1", "10.0.0.2")
+    assert [argv[5:7] for argv in argvs] == [
+        ["tpu1-0", "--worker=0"], ["tpu1-0", "--worker=1"],
+        ["tpu1-1", "--worker=0"], ["tpu1-1", "--worker=1"],
+    ]  # fmt: skip
+    remote = shlex.split(
+        commands.remote_run_command(s, workers[3], "r1", "10.0.0.2").removesuffix("; exit $?")
+    )
+    env = remote[remote.index("env") + 1 : remote.index(".venv/bin/python")]
+    assert env == [
+        "PJRT_DEVICE=TPU", "TPUSTREAM_HOST_INDEX=1",  # the host within its slice
+        "MEGASCALE_NUM_SLICES=2", "MEGASCALE_SLICE_ID=1", "MEGASCALE_COORDINATOR_ADDRESS=10.0.0.2:8081",
+        "MEGASCALE_PORT=8081", "TPUSTREAM_RUN_ID=r1",
+    ]  # fmt: skip
+    assert remote[7].endswith('/r1.1-1.pid" && exec "$@"')  # unique across the slices' hosts
+    # The code goes to, and the cleanup reaches, every host of every node.
+    assert [argv[4:6] for argv in commands.sync_commands(s, "L", "/tmp/r.tar.gz")] == [
+        ["scp", "L"], ["ssh", "tpu1-0"], ["scp", "L"], ["ssh", "tpu1-1"],
+    ]  # fmt: skip
+    assert [argv[5:7] for argv in commands.cleanup_commands(s, "r1")] == [
+        ["tpu1-0", "--worker=all"], ["tpu1-1", "--worker=all"],
+    ]  # fmt: skip
+    lines = commands.dry_run_lines(replace(s, num_workers=2))
+    assert [line for line in lines if " describe " in line and not line.startswith("#")] == [
+        shlex.join(commands.describe_command(s, node)) for node in s.nodes
+    ]
+    assert sum("MEGASCALE_COORDINATOR_ADDRESS=COORDINATOR:8081" in line for line in lines) == 4
+
+
+@pytest.mark.parametrize(
+    "changes, error",
+    [
+        ({"num_slices": 2}, "--num-slices 2, but the command sets no mesh.slices (1): add mesh.slices=2"),
+        ({"command": ("python", "train.py", "mesh.slices=2")}, "--num-slices 1, but the command sets"),
+        ({"num_slices": 0}, "--num-slices must be at least 1, got 0"),
+    ],
+)
+def test_the_slice_count_and_the_commands_mesh_agree(changes, error):
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        spec(**changes)
 
 
 def test_process_tokens_name_the_program_and_its_script_or_module():
@@ -141,7 +199,12 @@ def test_remote_command_records_the_group_the_command_leads_and_passes_argv_and_
         "import json, os, sys; print(json.dumps([sys.argv[1:], os.getpid(), os.getpgid(0)])); sys.exit(3)"
     )
     s = spec(workdir=str(tmp_path), command=(sys.executable, "-c", script, *OVERRIDES))
-    host = run_on_host(commands.remote_run_command(s, 4, "r1"), tmp_path, stdout=subprocess.PIPE, text=True)
+    host = run_on_host(
+        commands.remote_run_command(s, commands.Worker("tpu1", 4), "r1"),
+        tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out, _ = host.communicate(timeout=10)
     argv, pid, group = json.loads(out)
     assert host.returncode == 3  # the command's own exit code, through the login shell
@@ -161,7 +224,9 @@ def test_cleanup_stops_the_launched_training_and_spares_a_lookalike(tmp_path):
     # number had been reused since that training ended): neither may get it killed.
     marker = f"{commands.RUN_ID_VARIABLE}={earlier_id}"
     lookalike = run_on_host(f"export {marker}; exec -a {shlex.quote(shlex.join(command))} sleep 300", home)
-    launched = run_on_host(commands.remote_run_command(spec(command=command), 0, run_id), home)
+    launched = run_on_host(
+        commands.remote_run_command(spec(command=command), commands.Worker("tpu1", 0), run_id), home
+    )
     try:
         wait_for(lambda: (workdir / "ready").exists(), "ready file")
         train_pid, replica_pid = map(int, (workdir / "ready").read_text().split())
@@ -175,7 +240,9 @@ def test_cleanup_stops_the_launched_training_and_spares_a_lookalike(tmp_path):
 
         env = {**os.environ, "HOME": str(home)}
         # What the launcher tells to run after a failed cleanup lists this launch's processes only.
-        leftovers = commands.leftovers_command(spec(), run_id)[7].removeprefix("--command=")
+        (leftovers,) = (
+            argv[7].removeprefix("--command=") for argv in commands.leftovers_commands(spec(), run_id)
+        )
         listed = subprocess.run(["bash", "-c", leftovers], env=env, capture_output=True, text=True).stdout
         assert sorted(int(line.split()[0]) for line in listed.splitlines()) == sorted(
             [train_pid, replica_pid]

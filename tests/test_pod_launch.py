@@ -115,7 +115,8 @@ for arg in sys.argv[1:]:
         name, value = arg.split("=", 1)
         os.environ[{"fake_hang": "FAKE_HANG", "fake_pids": "FAKE_PID_DIR"}[name]] = value
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pjrt": os.environ.get("PJRT_DEVICE"),
-                  "extra": os.environ.get("EXTRA")}), flush=True)
+                  "extra": os.environ.get("EXTRA"), "host": os.environ.get("TPUSTREAM_HOST_INDEX"),
+                  "megascale": {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")}}), flush=True)
 print(f"replica log of worker {worker}", file=sys.stderr, flush=True)
 if os.environ.get("FAKE_PID_DIR"):
     Path(os.environ["FAKE_PID_DIR"], f"{worker}.pid").write_text(str(os.getpid()))
@@ -242,7 +243,7 @@ def reports(out: str) -> dict[str, dict]:
     """The fake train.py's JSON line of each worker, by prefix."""
     found = {}
     for line in out.splitlines():
-        match = re.match(r"(\[worker \d+\]) (\{.*\})$", line)
+        match = re.match(r"(\[(?:slice \d+ )?worker \d+\]) (\{.*\})$", line)
         if match:
             found[match.group(1)] = json.loads(match.group(2))
     return found
@@ -251,18 +252,41 @@ def reports(out: str) -> dict[str, dict]:
 # --- runs through the stub gcloud --------------------------------------------------------
 
 
+def test_several_slices_run_as_one_job_on_every_host_of_every_node(gcloud, fake_train, tmp_path, capfd):
+    command = [sys.executable, str(fake_train), "strategy=spmd", "mesh.slices=2"]
+    code = launch(tmp_path, "--num-slices", "2", command=command)
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    # Both nodes described (READY, 2 hosts each; the first one's first host coordinates).
+    assert [c[4] for c in gcloud.calls("describe")] == ["tpu1-0", "tpu1-1"]
+    got = reports(out)
+    assert set(got) == {f"[slice {s} worker {h}]" for s in (0, 1) for h in (0, 1)}
+    for name, report in got.items():
+        slice_id, host = map(int, re.findall(r"\d+", name))
+        assert report["host"] == str(host) and report["argv"] == command[2:]
+        assert report["megascale"] == {
+            "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": str(slice_id),
+            "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.0:8081",
+            "MEGASCALE_PORT": "8081",
+        }
+    assert "all 4 worker(s) exited with 0" in err
+
+
 def test_overrides_arrive_unchanged_on_every_worker_with_prefixed_lines(gcloud, fake_train, tmp_path, capfd):
     code = launch(tmp_path, "--env", "EXTRA=x $y 'z'", command=[sys.executable, str(fake_train), *OVERRIDES])
     out, err = capfd.readouterr()
     assert code == 0, err
     got = reports(out)
     assert set(got) == {"[worker 0]", "[worker 1]"}
-    for report in got.values():
+    for name, report in got.items():
         assert report == {
             "argv": OVERRIDES,
             "cwd": str(tmp_path / "remote"),
             "pjrt": "TPU",
             "extra": "x $y 'z'",
+            "host": name[-2],  # [worker I]
+            "megascale": {},  # one slice
         }
     assert "[worker 0] replica log of worker 0" in err and "[worker 1] replica log of worker 1" in err
     assert len(gcloud.calls("describe")) == 1 and len(gcloud.worker_runs(1)) == 1
@@ -619,9 +643,10 @@ def test_hangs_count_against_max_restarts(gcloud, fake_train, tmp_path, capfd, c
     ],
 )
 def test_a_hang_names_where_the_stacks_are(command, stacks):
-    result = supervise.AttemptResult(exits={1: 0, 0: HUNG_EXIT_CODE})
+    first, second = commands.launch_workers(spec(), 2)
+    result = supervise.AttemptResult(exits={second: 0, first: HUNG_EXIT_CODE})
     launched = spec(command=tuple(command), workdir="~/w")
-    assert result.restart_cause() == (0, HUNG_EXIT_CODE)
+    assert result.restart_cause() == (first, HUNG_EXIT_CODE)
     assert result.restart_reason(launched) == f"worker 0 hung (exit 76; stacks in {stacks})"
 
 
@@ -653,8 +678,8 @@ def test_dry_run_prints_the_commands_and_runs_nothing(gcloud, tmp_path, monkeypa
     s = spec(zone="z", project="p", command=(".venv/bin/python", "train.py", "x=a b"))
     expected = [
         commands.preflight_command(s),
-        *commands.worker_commands(s, 2, "r1"),
-        commands.cleanup_command(s, "r1"),
+        *commands.worker_commands(s, commands.launch_workers(s, 2), "r1"),
+        *commands.cleanup_commands(s, "r1"),
     ]
     assert [shlex.split(line) for line in lines] == expected
     assert gcloud.calls() == []
@@ -739,7 +764,9 @@ def test_sync_ships_the_checkout_and_installs_it_on_every_worker(gcloud, tmp_pat
     )
     run = spec(workdir=str(tmp_path / "remote"), command=(sys.executable, "-c", "print('hi')"))
     runs = sorted(gcloud.calls("ssh")[-2:])  # the two workers start concurrently
-    assert runs == [argv[1:] for argv in commands.worker_commands(run, 2, gcloud.run_id())]
+    assert runs == [
+        argv[1:] for argv in commands.worker_commands(run, commands.launch_workers(run, 2), gcloud.run_id())
+    ]
     remote = tmp_path / "remote"
     assert pip_log.read_text() == f"{remote} install --quiet -e .[tpu]\n"
     tracked = set(sync.source_files(REPO))

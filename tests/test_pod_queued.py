@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from tpustream.errors import ConfigError
 from tpustream.pod import queued
 from tpustream.pod.slice_spec import SliceSpec
 
@@ -29,6 +32,25 @@ def test_create_commands_per_kind_of_capacity():
     ]  # fmt: skip
 
 
+def test_a_multislice_pod_is_one_queued_resource_of_several_nodes():
+    s = spec(slices=2, provisioning="spot")
+    argv = queued.create_command(s, "S")
+    assert argv[:8] == [
+        "gcloud", "compute", "tpus", "queued-resources", "create", "pod1",
+        "--node-count=2", "--node-prefix=pod1",
+    ]  # fmt: skip
+    assert "--spot" in argv and not any(a.startswith("--node-id") for a in argv)
+    assert s.nodes == ("pod1-0", "pod1-1") and s.kind == "2 slices of v5litepod-16"
+    # Deleting it: the queued resource (with --force, its nodes), then any node left of either name.
+    assert [argv[3:6] for argv in queued.delete_commands(s)] == [
+        ["queued-resources", "delete", "pod1"],
+        ["tpu-vm", "delete", "pod1-0"],
+        ["tpu-vm", "delete", "pod1-1"],
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="preemptible TPU VMs have none; use --spot"):
+        spec(slices=2, provisioning="preemptible")
+
+
 def test_delete_and_describe_commands():
     s = spec(project="p")
     where = ["--zone=z", "--project=p"]
@@ -40,7 +62,7 @@ def test_delete_and_describe_commands():
         "--quiet",
         *where,
     ]
-    assert queued.node_delete_command(s)[3:] == ["tpu-vm", "delete", "pod1", "--quiet", *where]
+    assert queued.node_delete_command(s, "pod1")[3:] == ["tpu-vm", "delete", "pod1", "--quiet", *where]
     assert queued.queued_describe_command(s)[3:] == [
         "queued-resources",
         "describe",
@@ -49,7 +71,9 @@ def test_delete_and_describe_commands():
         *where,
     ]
     assert len(queued.delete_commands(s)) == 2
-    assert queued.delete_commands(spec(provisioning="preemptible")) == [queued.node_delete_command(spec())]
+    assert queued.delete_commands(spec(provisioning="preemptible")) == [
+        queued.node_delete_command(spec(), "pod1")
+    ]
 
 
 def test_queued_state_is_read_from_the_api_shapes():

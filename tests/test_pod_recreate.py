@@ -17,8 +17,13 @@ import sys
 import pytest
 
 from tests.gcloud_world import World, spot_node, tiny_checkout
+from tpustream.errors import TpustreamError
 from tpustream.pod.__main__ import main
+from tpustream.pod.queued import create_command
+from tpustream.pod.recreate import learn_slice
 from tpustream.pod.slice_spec import SliceSpec, save_record
+from tpustream.pod.spec import LaunchSpec
+from tpustream.pod.tpu import TpuGone, TpuInfo, info_from_node, pod_info, terminal_error
 
 EPOCHS = 3
 WAITING = ["ACCEPTED", "WAITING_FOR_RESOURCES", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"]
@@ -245,3 +250,41 @@ def test_one_command_makes_a_missing_spot_pod_survives_a_preemption_and_finishes
     assert epochs_trained(tmp_path) == [1, 2, 3]
     assert main(["--tpu", "t", "--zone", "z", "--type", "v4-8", "--", "x"]) == 2
     assert "--type makes the pod if it is missing: it goes with --recreate" in capfd.readouterr().err
+
+
+def test_a_multislice_pod_is_ready_when_every_node_is_and_recreated_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # learn_slice records what it learns there
+    launch_spec = LaunchSpec(
+        tpu="tpu1", zone="z", num_slices=2, command=("python", "train.py", "strategy=spmd", "mesh.slices=2")
+    )
+
+    def node(name: str, state: str, first_ip: str = "10.0.0.5") -> dict:
+        endpoints = [{"ipAddress": first_ip}, {"ipAddress": "10.9.9.9"}] if state == "READY" else []
+        found = {"state": state, "networkEndpoints": endpoints, "acceleratorType": "v5litepod-16"}
+        return {**found, "runtimeVersion": "v2-alpha-tpuv5-lite", "schedulingConfig": {"spot": True}}
+
+    ready = [
+        info_from_node(node(n, "READY", ip), n) for n, ip in (("tpu1-0", "10.0.0.5"), ("tpu1-1", "10.0.1.5"))
+    ]
+    # Slice 0's first host coordinates the slices.
+    assert pod_info(launch_spec, ready) == TpuInfo("READY", 2, "10.0.0.5", "tpu1")
+    # Not READY while one node is not; a node that never comes back is the pod's state.
+    creating, preempted = (
+        info_from_node(node("", "CREATING"), "tpu1-0"),
+        info_from_node(node("", "PREEMPTED"), "tpu1-1"),
+    )
+    assert pod_info(launch_spec, [ready[0], creating]).state == "CREATING"
+    assert pod_info(launch_spec, [creating, preempted]) == preempted
+    gone = terminal_error(preempted.node, preempted.state)
+    assert isinstance(gone, TpuGone) and str(gone).startswith("TPU tpu1-1 is PREEMPTED: ")
+    uneven = info_from_node({**node("", "READY"), "networkEndpoints": [{"ipAddress": "10.0.1.5"}]}, "tpu1-1")
+    with pytest.raises(TpustreamError, match=r"different numbers of hosts \(tpu1-0: 2, tpu1-1: 1\)"):
+        pod_info(launch_spec, [ready[0], uneven])
+    # --recreate asks for both slices again, as one queued resource.
+    made = learn_slice(launch_spec, node("tpu1-0", "READY"))
+    assert made is not None and (made.slices, made.provisioning, made.kind) == (
+        2,
+        "spot",
+        "2 slices of v5litepod-16",
+    )
+    assert "--node-count=2" in create_command(made, "S") and made.nodes == launch_spec.nodes

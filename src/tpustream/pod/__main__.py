@@ -55,8 +55,14 @@ resource, waits until it is ACTIVE, syncs and reruns the command; at most
 --type TYPE [--spot|--preemptible|--reserved] it also makes the pod if it does not
 exist yet, so one command takes a spot run from nothing to its end.
 
+--num-slices N runs one job on the N slices of a multislice pod, the nodes
+NAME-0 .. NAME-(N-1) of queued resource NAME (as `create NAME --num-slices N`
+makes them): every host also gets MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID and
+MEGASCALE_COORDINATOR_ADDRESS (the first host of NAME-0), and TPUSTREAM_HOST_INDEX
+counts hosts within its slice.
+
 other commands (each with --help):
-  create NAME --zone Z --type T [--spot|--preemptible|--reserved]   ask for a pod, set up
+  create NAME --zone Z --type T [--spot|--preemptible|--reserved] [--num-slices N]   ask for a pod
   delete NAME --zone Z                                               delete a pod
   gke-manifest --type T --image IMAGE -- COMMAND ...                 a GKE JobSet manifest
 
@@ -138,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-workers", type=int, metavar="N", help="hosts of the TPU VM (default: from gcloud describe)"
     )
     parser.add_argument(
+        "--num-slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="multislice: run on the N slices NAME-0 .. NAME-(N-1) of one queued resource as one job "
+        "(the command sets mesh.slices=N; default 1)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=30.0,
@@ -191,6 +205,7 @@ def parse_args(argv: list[str]) -> tuple[LaunchSpec, bool]:
         create_timeout=args.create_timeout,
         slice_type=args.slice_type,
         provisioning=next((n for n in ("spot", "preemptible", "reserved") if getattr(args, n)), "on-demand"),
+        num_slices=args.num_slices,
     )
     return spec, args.dry_run
 

@@ -10,8 +10,10 @@ import os
 import secrets
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from tpustream.pod.multislice import megascale_env
 from tpustream.pod.spec import LaunchSpec
 
 # ssh (so gcloud ssh) exits with 255 when the connection fails or is lost,
@@ -41,21 +43,48 @@ def gcloud_tpu(spec: LaunchSpec, verb: str, *args: str) -> list[str]:
     return [spec.gcloud, "compute", "tpus", "tpu-vm", verb, *args, f"--zone={spec.zone}", *project]
 
 
-def describe_command(spec: LaunchSpec) -> list[str]:
-    return gcloud_tpu(spec, "describe", spec.tpu, "--format=json")
+@dataclass(frozen=True)
+class Worker:
+    """One host of a launch: host ``host`` of the TPU VM ``node``, slice ``slice`` of ``slices``."""
+
+    node: str
+    host: int
+    slice: int = 0
+    slices: int = 1
+
+    def __str__(self) -> str:
+        return f"slice {self.slice} worker {self.host}" if self.slices > 1 else f"worker {self.host}"
+
+    @property
+    def key(self) -> str:
+        """Unique among the launch's hosts: names its pid file (a home may be shared by several)."""
+        return f"{self.slice}-{self.host}" if self.slices > 1 else str(self.host)
 
 
-def ssh_command(spec: LaunchSpec, worker: int | str, remote: str) -> list[str]:
-    """Run the shell command ``remote`` on one worker, or on all at once with worker="all".
+def launch_workers(spec: LaunchSpec, hosts_per_slice: int) -> list[Worker]:
+    """Every host of the launch, slice by slice."""
+    return [
+        Worker(node, host, index, spec.num_slices)
+        for index, node in enumerate(spec.nodes)
+        for host in range(hosts_per_slice)
+    ]
+
+
+def describe_command(spec: LaunchSpec, node: str) -> list[str]:
+    return gcloud_tpu(spec, "describe", node, "--format=json")
+
+
+def ssh_command(spec: LaunchSpec, node: str, worker: int | str, remote: str) -> list[str]:
+    """Run the shell command ``remote`` on one worker of ``node``, or on all at once with worker="all".
 
     gcloud hands ``remote`` to ssh, and sshd to the user's login shell: it is
     parsed by a shell exactly once, on the host.
     """
-    return gcloud_tpu(spec, "ssh", spec.tpu, f"--worker={worker}", f"--command={remote}")
+    return gcloud_tpu(spec, "ssh", node, f"--worker={worker}", f"--command={remote}")
 
 
-def scp_command(spec: LaunchSpec, local: str, remote_path: str) -> list[str]:
-    return gcloud_tpu(spec, "scp", local, f"{spec.tpu}:{remote_path}", "--worker=all")
+def scp_command(spec: LaunchSpec, node: str, local: str, remote_path: str) -> list[str]:
+    return gcloud_tpu(spec, "scp", local, f"{node}:{remote_path}", "--worker=all")
 
 
 def shell_path(path: str) -> str:
@@ -73,49 +102,58 @@ def new_run_id() -> str:
     return secrets.token_hex(8)
 
 
-def remote_run_command(spec: LaunchSpec, host: int, run_id: str) -> str:
+def remote_run_command(spec: LaunchSpec, worker: Worker, run_id: str, coordinator: str | None = None) -> str:
     """``cd WORKDIR && setsid --wait sh -c RECORD tpustream env PJRT_DEVICE=TPU K=V ... COMMAND; exit $?``.
 
     Overrides such as ``data.train_shards=gs://b/train-{000000..000639}.tar`` or
     ``name='a b'`` must reach train.py as typed, not brace- or glob-expanded:
     every user token is quoted once for the host's shell, and RECORD passes them
     on with ``exec "$@"``. TPUSTREAM_HOST_INDEX tells train.py which host it runs
-    on: only host 0 counts shards without recorded sample counts, the others
-    wait for its index.
+    on within its slice: only host 0 (of slice 0) counts shards without recorded
+    sample counts, the others wait for its index. With several slices the
+    MEGASCALE_* variables join them (tpustream.pod.multislice); ``coordinator``
+    is the address of slice 0's first host.
 
     So that the cleanup stops this training and nothing else, the command leads
     a new process group (setsid) and RECORD writes that group's id, its own pid,
-    to ``~/RUNS_DIR/RUN_ID.HOST.pid`` before it execs env and COMMAND: the exec
+    to ``~/RUNS_DIR/RUN_ID.WORKER.pid`` before it execs env and COMMAND: the exec
     chain keeps the pid, so COMMAND itself leads the group and gets the
     cleanup's SIGTERM, and its exit code is the shell's. ``; exit $?`` keeps the
     login shell from exec'ing setsid (bash and dash do that with the last
     command): the login shell leads a group, and setsid called from a group
     leader has to fork. --wait makes a forked setsid still pass the exit code on.
     """
+    if worker.slices > 1 and not coordinator:
+        raise ValueError("several slices need the coordinator's address")
     assignments = [
         ("PJRT_DEVICE", "TPU"),
-        ("TPUSTREAM_HOST_INDEX", str(host)),
+        ("TPUSTREAM_HOST_INDEX", str(worker.host)),
+        *megascale_env(worker.slices, worker.slice, coordinator or ""),
         *spec.env,
         (RUN_ID_VARIABLE, run_id),  # last: an --env of the same name must not hide the training
     ]
     env = " ".join(shlex.quote(f"{name}={value}") for name, value in assignments)
-    record = f'mkdir -p "$HOME/{RUNS_DIR}" && echo $$ > "$HOME/{RUNS_DIR}/{run_id}.{host}.pid" && exec "$@"'
+    record = (
+        f'mkdir -p "$HOME/{RUNS_DIR}" && echo $$ > "$HOME/{RUNS_DIR}/{run_id}.{worker.key}.pid" && exec "$@"'
+    )
     return (
         f"cd {shell_path(spec.workdir)} && setsid --wait sh -c {shlex.quote(record)} tpustream "
         f"env {env} {shlex.join(spec.command)}; exit $?"
     )
 
 
-def worker_commands(spec: LaunchSpec, num_workers: int, run_id: str) -> list[list[str]]:
+def worker_commands(
+    spec: LaunchSpec, workers: Sequence[Worker], run_id: str, coordinator: str | None = None
+) -> list[list[str]]:
     """One gcloud ssh per worker, so each process's output belongs to one host."""
     return [
-        ssh_command(spec, worker, remote_run_command(spec, worker, run_id)) for worker in range(num_workers)
+        ssh_command(spec, w.node, w.host, remote_run_command(spec, w, run_id, coordinator)) for w in workers
     ]
 
 
 def preflight_command(spec: LaunchSpec) -> list[str]:
     """One ssh before the concurrent ones: gcloud creates and publishes the SSH key only once."""
-    return ssh_command(spec, 0, "true")
+    return ssh_command(spec, spec.nodes[0], 0, "true")
 
 
 def process_tokens(command: Sequence[str]) -> list[str]:
@@ -166,18 +204,18 @@ def cleanup_script(run_id: str) -> str:
     )
 
 
-def cleanup_command(spec: LaunchSpec, run_id: str) -> list[str]:
-    return ssh_command(spec, "all", cleanup_script(run_id))
+def cleanup_commands(spec: LaunchSpec, run_id: str) -> list[list[str]]:
+    """One per node: every host of it stops this launch's training."""
+    return [ssh_command(spec, node, "all", cleanup_script(run_id)) for node in spec.nodes]
 
 
-def leftovers_command(spec: LaunchSpec, run_id: str) -> list[str]:
+def leftovers_commands(spec: LaunchSpec, run_id: str) -> list[list[str]]:
     """List what is left of this launch's training on every host: the processes carrying its run id."""
     marker = shlex.quote(f"{RUN_ID_VARIABLE}={run_id}")
-    return ssh_command(
-        spec,
-        "all",
-        f"grep -lxzF {marker} /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 | xargs -r ps -o pid=,args= -p",
+    listing = (
+        f"grep -lxzF {marker} /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 | xargs -r ps -o pid=,args= -p"
     )
+    return [ssh_command(spec, node, "all", listing) for node in spec.nodes]
 
 
 def sync_script(spec: LaunchSpec, remote_tarball: str) -> str:
@@ -198,10 +236,15 @@ def sync_script(spec: LaunchSpec, remote_tarball: str) -> str:
 
 
 def sync_commands(spec: LaunchSpec, local_tarball: str, remote_tarball: str) -> list[list[str]]:
-    """Copy the tarball to every host, then unpack and install it there."""
+    """Copy the tarball to every host, then unpack and install it there; node by node."""
+    script = sync_script(spec, remote_tarball)
     return [
-        scp_command(spec, local_tarball, remote_tarball),
-        ssh_command(spec, "all", sync_script(spec, remote_tarball)),
+        argv
+        for node in spec.nodes
+        for argv in (
+            scp_command(spec, node, local_tarball, remote_tarball),
+            ssh_command(spec, node, "all", script),
+        )
     ]
 
 
@@ -214,12 +257,14 @@ def dry_run_lines(spec: LaunchSpec) -> list[str]:
     """The gcloud commands a launch runs, shell-quoted, one per line; ``#`` lines explain."""
     quote = shlex.join
     shown = spec.num_workers or 1
+    multislice = spec.num_slices > 1
     lines = ["# dry run: nothing is run"]
-    if spec.num_workers is None:
-        lines += [
-            quote(describe_command(spec)),
-            "# describe gives the number of workers (len(networkEndpoints)); worker commands shown for 1",
-        ]
+    if spec.num_workers is None or multislice:
+        lines += [quote(describe_command(spec, node)) for node in spec.nodes]
+        said = ["the number of workers (len(networkEndpoints))"] if spec.num_workers is None else []
+        said += [f"COORDINATOR, the address of {spec.nodes[0]}'s first host"] if multislice else []
+        shown_as = "; worker commands shown for 1 a slice" if spec.num_workers is None else ""
+        lines.append(f"# describe gives {' and '.join(said)}{shown_as}")
     if spec.sync:
         root = spec.source or "the tpustream checkout"
         lines.append(f"# --sync: LOCAL_TARBALL is a .tar.gz of the git-tracked files of {root}")
@@ -231,11 +276,10 @@ def dry_run_lines(spec: LaunchSpec) -> list[str]:
         f"# each worker records its process group in ~/{RUNS_DIR}/{run_id}.WORKER.pid "
         f"({run_id} is new for every launch)"
     )
-    lines += [quote(argv) for argv in worker_commands(spec, shown, run_id)]
-    lines += [
-        "# if a worker fails, the others are stopped and this stops the recorded groups:",
-        quote(cleanup_command(spec, run_id)),
-    ]
+    coordinator = "COORDINATOR" if multislice else None
+    lines += [quote(argv) for argv in worker_commands(spec, launch_workers(spec, shown), run_id, coordinator)]
+    lines.append("# if a worker fails, the others are stopped and this stops the recorded groups:")
+    lines += [quote(argv) for argv in cleanup_commands(spec, run_id)]
     if spec.restart:
         lines.append(
             f"# --restart: after exit {PREEMPTED_EXIT_CODE}, {HUNG_EXIT_CODE} or "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from dataclasses import replace
 
 from tpustream.pod import queued
 from tpustream.pod.processes import Console, require_gcloud
@@ -35,6 +36,13 @@ def build_create_parser() -> argparse.ArgumentParser:
     parser.add_argument("--type", required=True, metavar="TYPE", help="accelerator type, e.g. v5litepod-16")
     parser.add_argument("--project", help="default: gcloud's")
     parser.add_argument("--runtime-version", metavar="VERSION", help="default: the one for PyTorch on TYPE")
+    parser.add_argument(
+        "--num-slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="multislice: N slices of TYPE, nodes NAME-0 .. NAME-(N-1) of one queued resource (default 1)",
+    )
     capacity = parser.add_mutually_exclusive_group()
     capacity.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be taken")
     capacity.add_argument(
@@ -65,6 +73,7 @@ def spec_from_args(args: argparse.Namespace) -> SliceSpec:
         accelerator_type=known.name,
         runtime_version=args.runtime_version or known.runtime_version,
         provisioning=provisioning,
+        slices=args.num_slices,
         network=args.network,
         subnetwork=args.subnetwork,
         service_account=args.service_account,
@@ -75,7 +84,8 @@ def create_dry_run_lines(spec: SliceSpec) -> list[str]:
     known = slice_type(spec.accelerator_type)
     lines = [
         "# dry run: nothing is created",
-        f"# {known.name}: {known.hosts} host(s) x {known.chips_per_host} chip(s), topology {known.topology}",
+        f"# {spec.kind}: {known.hosts} host(s) x {known.chips_per_host} chip(s), topology {known.topology}"
+        + (" each" if spec.slices > 1 else ""),
         shlex.join(queued.create_command(spec, STARTUP_PLACEHOLDER)),
     ]
     if spec.queued:
@@ -88,9 +98,11 @@ def create_dry_run_lines(spec: SliceSpec) -> list[str]:
 
 def next_step(spec: SliceSpec) -> str:
     project = f" --project {spec.project}" if spec.project else ""
+    slices = f" --num-slices {spec.slices}" if spec.slices > 1 else ""
+    mesh = f" strategy=spmd mesh.slices={spec.slices}" if spec.slices > 1 else ""
     return (
-        f"next: tpustream-pod --tpu {spec.name} --zone {spec.zone}{project} --sync --restart --recreate -- "
-        ".venv/bin/python train.py accelerator=tpu output_dir=gs://BUCKET/runs/NAME ..."
+        f"next: tpustream-pod --tpu {spec.name} --zone {spec.zone}{project}{slices} --sync --restart "
+        f"--recreate -- .venv/bin/python train.py accelerator=tpu{mesh} output_dir=gs://BUCKET/runs/NAME ..."
     )
 
 
@@ -108,7 +120,7 @@ def create_main(argv: list[str]) -> int:
         queued.request(spec, console)
         console.say(f"recorded how {spec.name} was made in {save_record(spec)} (for --recreate)")
         took = time.monotonic() - begun
-        console.say(f"asked for {spec.name} ({spec.accelerator_type}, {spec.provisioning}) in {took:.0f}s")
+        console.say(f"asked for {spec.name} ({spec.kind}, {spec.provisioning}) in {took:.0f}s")
         if not args.no_wait:
             queued.wait_until_active(spec, console, args.create_timeout, args.poll_interval)
     except KeyboardInterrupt:
@@ -132,6 +144,12 @@ def build_delete_parser() -> argparse.ArgumentParser:
     parser.add_argument("name", metavar="NAME")
     parser.add_argument("--zone", required=True)
     parser.add_argument("--project")
+    parser.add_argument(
+        "--num-slices",
+        type=int,
+        metavar="N",
+        help="its nodes are NAME-0 .. NAME-(N-1) (default: as recorded when it was made here, else 1)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the gcloud commands, delete nothing")
     return parser
 
@@ -141,6 +159,8 @@ def delete_main(argv: list[str]) -> int:
     spec = load_record(args.name, args.zone, args.project) or SliceSpec(
         name=args.name, zone=args.zone, project=args.project, accelerator_type="", runtime_version=""
     )
+    if args.num_slices is not None:
+        spec = replace(spec, slices=args.num_slices)
     if args.dry_run:
         lines = ["# dry run: each runs only if describe finds what it deletes"]
         print("\n".join(lines + [shlex.join(argv) for argv in queued.delete_commands(spec)]), flush=True)

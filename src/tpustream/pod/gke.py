@@ -42,7 +42,8 @@ import re
 
 from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, ConfigError
 from tpustream.pod.manifest_yaml import to_yaml
-from tpustream.pod.spec import command_output_dir, command_override, is_bucket_url, parse_env
+from tpustream.pod.multislice import megascale_env
+from tpustream.pod.spec import check_num_slices, command_output_dir, is_bucket_url, parse_env
 from tpustream.pod.types import SLICE_TYPES, SliceType, slice_type
 from tpustream.pod.usage import UsageParser, split_command
 
@@ -57,8 +58,6 @@ COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 # The replicated job of slices, and a pod's Job's index in it (its slice), as JobSet labels pods.
 REPLICATED_JOB = "slice"
 JOB_INDEX = "metadata.labels['jobset.sigs.k8s.io/job-index']"
-# The megascale (DCN) port of slice 0's first host, Ray's TPU support's default.
-MEGASCALE_PORT = 8081
 # A Kubernetes quantity of bytes (k8s.io/apimachinery resource.Quantity): a number with a
 # binary (Ki ... Ei) or decimal (k, M ... E) suffix, an exponent, or none. No "m": that is
 # milli, not Docker's mebibytes, and would ask for a /dev/shm of a fraction of a byte.
@@ -107,23 +106,21 @@ def failure_policy(max_restarts: int) -> dict:
 
 
 def multislice_env(name: str, slices: int) -> list[dict]:
-    """What the TPU runtime of every host needs to join ``slices`` slices over DCN (megascale).
+    """What the TPU runtime of every host needs to join ``slices`` slices over DCN (tpustream.pod.multislice).
 
-    The four variables Ray's TPU support sets (ray.util.tpu.get_tpu_coordinator_env_vars,
-    port 8081): the slice count, this pod's slice (its Job's index in the
-    replicated job, as xpk's Pathways template takes it), and the first host of
-    slice 0, by the DNS name JobSet gives it (JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.JOBSET,
-    the form xpk gives its coordinators). GKE's TPU webhook may set them too; which
-    wins has not been seen on a cluster.
+    This pod's slice is its Job's index in the replicated job (as xpk's Pathways
+    template takes it), read by the pod itself; the coordinator is the first host
+    of slice 0, by the DNS name JobSet gives it
+    (JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.JOBSET, the form xpk gives its
+    coordinators). GKE's TPU webhook may set them too; which wins has not been
+    seen on a cluster.
     """
-    if slices == 1:
-        return []
-    coordinator = f"{name}-{REPLICATED_JOB}-0-0.{name}:{MEGASCALE_PORT}"
+    coordinator = f"{name}-{REPLICATED_JOB}-0-0.{name}"
     return [
-        {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
-        {"name": "MEGASCALE_SLICE_ID", "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}},
-        {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": coordinator},
-        {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_PORT)},
+        {"name": key, "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}}
+        if key == "MEGASCALE_SLICE_ID"
+        else {"name": key, "value": value}
+        for key, value in megascale_env(slices, 0, coordinator)
     ]
 
 
@@ -202,19 +199,6 @@ def check_output_dir(command: list[str]) -> None:
     raise ConfigError(
         f"{where}, and a restart on a fresh node would start over: add output_dir=gs://BUCKET/runs/NAME"
     )
-
-
-def check_num_slices(slices: int, command: list[str]) -> None:
-    """--num-slices and the command's mesh.slices say the same (1 each when neither is given)."""
-    if slices < 1:
-        raise ConfigError(f"--num-slices must be at least 1, got {slices}")
-    meshed = command_override(command, "mesh.slices")
-    if (meshed or "1") != str(slices):
-        said = f"sets mesh.slices={meshed}" if meshed else "sets no mesh.slices (1)"
-        raise ConfigError(
-            f"--num-slices {slices}, but the command {said}: add mesh.slices={slices} and strategy=spmd "
-            "(docs/large-models.md, Multislice)"
-        )
 
 
 def jobset_manifest(kind: SliceType, args: argparse.Namespace, command: list[str]) -> dict:

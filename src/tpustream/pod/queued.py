@@ -65,7 +65,8 @@ def _placement(spec: SliceSpec) -> list[str]:
 
 
 def create_command(spec: SliceSpec, startup_script: str) -> list[str]:
-    """Queued resource NAME for node NAME; preemptible: ``tpu-vm create --preemptible`` (no queued form)."""
+    """Queued resource NAME for node NAME, or nodes NAME-0 .. with several slices; preemptible:
+    ``tpu-vm create --preemptible`` (no queued form)."""
     metadata = f"--metadata-from-file=startup-script={startup_script}"
     if not spec.queued:
         return _gcloud(
@@ -85,7 +86,8 @@ def create_command(spec: SliceSpec, startup_script: str) -> list[str]:
         "queued-resources",
         "create",
         spec.name,
-        f"--node-id={spec.name}",
+        *([f"--node-count={spec.slices}", f"--node-prefix={spec.name}"] if spec.slices > 1 else []),
+        *([f"--node-id={spec.name}"] if spec.slices == 1 else []),
         f"--accelerator-type={spec.accelerator_type}",
         f"--runtime-version={spec.runtime_version}",
         metadata,
@@ -98,8 +100,8 @@ def queued_describe_command(spec: SliceSpec) -> list[str]:
     return _gcloud(spec, "queued-resources", "describe", spec.name, "--format=json")
 
 
-def node_describe_command(spec: SliceSpec) -> list[str]:
-    return _gcloud(spec, "tpu-vm", "describe", spec.name, "--format=json")
+def node_describe_command(spec: SliceSpec, node: str) -> list[str]:
+    return _gcloud(spec, "tpu-vm", "describe", node, "--format=json")
 
 
 def queued_delete_command(spec: SliceSpec) -> list[str]:
@@ -107,14 +109,14 @@ def queued_delete_command(spec: SliceSpec) -> list[str]:
     return _gcloud(spec, "queued-resources", "delete", spec.name, "--force", "--quiet")
 
 
-def node_delete_command(spec: SliceSpec) -> list[str]:
-    return _gcloud(spec, "tpu-vm", "delete", spec.name, "--quiet")
+def node_delete_command(spec: SliceSpec, node: str) -> list[str]:
+    return _gcloud(spec, "tpu-vm", "delete", node, "--quiet")
 
 
 def delete_commands(spec: SliceSpec) -> list[list[str]]:
     """What deletes the pod however it was made; the one that does not apply fails with NOT_FOUND."""
-    node = [node_delete_command(spec)]
-    return [queued_delete_command(spec), *node] if spec.queued else node
+    nodes = [node_delete_command(spec, node) for node in spec.nodes]
+    return [queued_delete_command(spec), *nodes] if spec.queued else nodes
 
 
 @contextlib.contextmanager
@@ -226,23 +228,23 @@ def wait_until_active(
 
 
 def delete(spec: SliceSpec, console: Console) -> bool:
-    """Delete the queued resource (and its node) and any bare node of that name; True once none is left.
+    """Delete the queued resource (and its nodes) and any bare node of those names; True once none is left.
 
     Both are looked for whatever ``spec`` says: a pod made by other means, or a
     recreated one, may be either.
     """
-    targets = [
-        ("queued resource", queued_describe_command(spec), queued_delete_command(spec)),
-        ("TPU VM", node_describe_command(spec), node_delete_command(spec)),
+    targets = [(f"queued resource {spec.name}", queued_describe_command(spec), queued_delete_command(spec))]
+    targets += [
+        (f"TPU VM {node}", node_describe_command(spec, node), node_delete_command(spec, node))
+        for node in spec.nodes
     ]
     for what, describe_argv, delete_argv in targets:
-        if describe_json(describe_argv, f"{what} {spec.name}") is None:
+        if describe_json(describe_argv, what) is None:
             continue
         code = run_streamed(delete_argv, console, "[gcloud] ", timeout=DELETE_TIMEOUT_SECONDS)
         if code != 0:
             console.say(
-                f"could not delete {what} {spec.name} (exit code {code}); "
-                f"delete it with: {shlex.join(delete_argv)}"
+                f"could not delete {what} (exit code {code}); delete it with: {shlex.join(delete_argv)}"
             )
             return False
     return True

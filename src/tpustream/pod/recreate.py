@@ -32,6 +32,7 @@ from tpustream.pod.tpu import (
     TpuInfo,
     describe,
     info_from_node,
+    pod_info,
     terminal_error,
     wait_until_ready,
 )
@@ -39,17 +40,23 @@ from tpustream.pod.types import slice_type
 
 
 def learn_slice(spec: LaunchSpec, node: dict | None) -> SliceSpec | None:
-    """How the pod was made: from its describe (recorded for later), this machine's record, or --type."""
+    """How the pod was made: from a node's describe (recorded for later), this machine's record, or --type.
+
+    The slice count is the launch's (--num-slices), whatever was recorded.
+    """
     if node is not None:
         try:
-            learned = replace(spec_from_describe(node, spec.tpu, spec.zone, spec.project), gcloud=spec.gcloud)
+            found = spec_from_describe(node, spec.tpu, spec.zone, spec.project, spec.num_slices)
+            learned = replace(found, gcloud=spec.gcloud)
         except TpustreamError:
             pass  # too little in it: the record may know
         else:
             save_record(learned)
             return learned
     recorded = load_record(spec.tpu, spec.zone, spec.project, spec.gcloud)
-    if recorded is None and spec.slice_type is not None:
+    if recorded is not None:
+        return replace(recorded, slices=spec.num_slices)
+    if spec.slice_type is not None:
         kind = slice_type(spec.slice_type)
         return SliceSpec(
             name=spec.tpu,
@@ -58,9 +65,10 @@ def learn_slice(spec: LaunchSpec, node: dict | None) -> SliceSpec | None:
             accelerator_type=kind.name,
             runtime_version=kind.runtime_version,
             provisioning=spec.provisioning,
+            slices=spec.num_slices,
             gcloud=spec.gcloud,
         )
-    return recorded
+    return None
 
 
 class PodKeeper:
@@ -83,24 +91,25 @@ class PodKeeper:
         """Before the first run: the READY pod's hosts (None: --num-workers given, nothing to ask)."""
         spec = self.spec
         if spec.recreate:
-            node = queued.describe_json(describe_command(spec), f"TPU {spec.tpu}")
-            self.slice = learn_slice(spec, node)
-            if node is None:
+            found = [queued.describe_json(describe_command(spec, node), f"TPU {node}") for node in spec.nodes]
+            self.slice = learn_slice(spec, next((node for node in found if node is not None), None))
+            if any(node is None for node in found):
                 return self.recover("NOT_FOUND")
-            info = info_from_node(node)
-        elif spec.num_workers is None:
-            info = describe(spec)
+            nodes = zip(found, spec.nodes, strict=True)
+            info = pod_info(spec, [info_from_node(described, node) for described, node in nodes])
+        elif spec.num_workers is None or spec.num_slices > 1:
+            info = describe(spec)  # several slices: the coordinator's address too
         else:
             return None
         if info.state == READY:
             return info
         if info.state in TERMINAL_STATES:
-            error = terminal_error(spec, info.state)
+            error = terminal_error(info.node, info.state)
             if spec.recreate and isinstance(error, TpuGone):
                 return self.recover(info.state)
             raise error
         if not spec.restart:
-            raise TpustreamError(f"TPU {spec.tpu} is {info.state}, not READY (--restart waits for READY)")
+            raise TpustreamError(f"TPU {info.node} is {info.state}, not READY (--restart waits for READY)")
         return self.ready()
 
     def ready(self) -> TpuInfo:
@@ -124,7 +133,7 @@ class PodKeeper:
             )
         started = self.clock()
         self.console.say(
-            f"TPU {spec.tpu} is {state}: --recreate asks for it again ({made.accelerator_type}, "
+            f"TPU {spec.tpu} is {state}: --recreate asks for it again ({made.kind}, "
             f"{made.provisioning}, runtime {made.runtime_version})"
         )
         failures = 0

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tpustream.errors import ConfigError, TpustreamError
+from tpustream.pod.multislice import node_names
 from tpustream.pod.types import slice_type
 
 # How the capacity is paid for. Queued resources take --spot and --reserved; on-demand is
@@ -25,13 +26,18 @@ RECORDS_DIR = ".tpustream/pods"
 
 @dataclass(frozen=True)
 class SliceSpec:
-    """A pod as gcloud creates it: one queued resource and one TPU VM node, both named ``name``."""
+    """A pod as gcloud creates it: one queued resource named ``name`` and its TPU VM node(s).
+
+    One slice: the node is ``name`` too. Several (multislice): the nodes are
+    NAME-0 .. NAME-(slices-1), each a slice of ``accelerator_type``.
+    """
 
     name: str
     zone: str
     accelerator_type: str
     runtime_version: str
     provisioning: str = "on-demand"
+    slices: int = 1
     project: str | None = None
     network: str | None = None
     subnetwork: str | None = None
@@ -44,11 +50,29 @@ class SliceSpec:
         if self.provisioning not in PROVISIONING:
             known = ", ".join(PROVISIONING)
             raise ConfigError(f"provisioning {self.provisioning!r}: expected one of {known}")
+        if self.slices < 1:
+            raise ConfigError(f"--num-slices must be at least 1, got {self.slices}")
+        if self.slices > 1 and not self.queued:
+            raise ConfigError(
+                "--num-slices with --preemptible: the slices are asked for as one queued resource, and "
+                "preemptible TPU VMs have none; use --spot"
+            )
 
     @property
     def queued(self) -> bool:
         """Whether it is asked for as a queued resource (everything but preemptible)."""
         return self.provisioning != "preemptible"
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return node_names(self.name, self.slices)
+
+    @property
+    def kind(self) -> str:
+        """What is asked for, in words: ``v5litepod-16``, or ``2 slices of v5litepod-16``."""
+        if self.slices == 1:
+            return self.accelerator_type
+        return f"{self.slices} slices of {self.accelerator_type}"
 
 
 def default_runtime(accelerator_type: str) -> str:
@@ -61,8 +85,8 @@ def _last_part(path: object) -> str | None:
     return str(path).rstrip("/").rsplit("/", 1)[-1] if path else None
 
 
-def spec_from_describe(node: dict, name: str, zone: str, project: str | None) -> SliceSpec:
-    """How an existing pod was made, from ``gcloud ... tpu-vm describe --format=json``."""
+def spec_from_describe(node: dict, name: str, zone: str, project: str | None, slices: int = 1) -> SliceSpec:
+    """How a pod of ``slices`` alike nodes was made, from one node's ``tpu-vm describe --format=json``."""
     scheduling = node.get("schedulingConfig") or {}
     if scheduling.get("spot"):
         provisioning = "spot"
@@ -85,6 +109,7 @@ def spec_from_describe(node: dict, name: str, zone: str, project: str | None) ->
         accelerator_type=str(accelerator),
         runtime_version=str(runtime),
         provisioning=provisioning,
+        slices=slices,
         network=_last_part(network.get("network")),
         subnetwork=_last_part(network.get("subnetwork")),
         service_account=account or None,

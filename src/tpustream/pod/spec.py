@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpustream.errors import ConfigError
+from tpustream.pod.multislice import node_names
 from tpustream.pod.types import slice_type
 
 DEFAULT_WORKDIR = "~/tpustream"
@@ -42,6 +43,8 @@ class LaunchSpec:
     # and this machine has no record of it (then the first launch makes it, as `create` would)
     slice_type: str | None = None
     provisioning: str = "on-demand"
+    # --num-slices: the pod is one queued resource of this many nodes, NAME-0 .. NAME-(N-1), one job
+    num_slices: int = 1
     gcloud: str = "gcloud"
 
     def __post_init__(self) -> None:
@@ -69,9 +72,33 @@ class LaunchSpec:
             if not self.recreate:
                 raise ConfigError("--type makes the pod if it is missing: it goes with --recreate")
             slice_type(self.slice_type)  # an unknown type: one line naming the known ones
+        check_num_slices(self.num_slices, self.command)
+        if self.num_slices > 1 and self.provisioning == "preemptible":
+            raise ConfigError(
+                "--num-slices with --preemptible: the slices are asked for as one queued resource, and "
+                "preemptible TPU VMs have none; use --spot"
+            )
         if self.recreate and not (self.restart and self.sync):
             # A recreated pod has new disks: without --sync the command would find no checkout there.
             raise ConfigError("--recreate needs --restart and --sync (a recreated pod has empty disks)")
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The TPU VMs the command runs on: the pod itself, or its slices' nodes (--num-slices)."""
+        return node_names(self.tpu, self.num_slices)
+
+
+def check_num_slices(slices: int, command: Iterable[str]) -> None:
+    """--num-slices and the command's mesh.slices say the same (1 each when neither is given)."""
+    if slices < 1:
+        raise ConfigError(f"--num-slices must be at least 1, got {slices}")
+    meshed = command_override(command, "mesh.slices")
+    if (meshed or "1") != str(slices):
+        said = f"sets mesh.slices={meshed}" if meshed else "sets no mesh.slices (1)"
+        raise ConfigError(
+            f"--num-slices {slices}, but the command {said}: add mesh.slices={slices} and strategy=spmd "
+            "(docs/large-models.md, Multislice)"
+        )
 
 
 def parse_env(items: Iterable[str]) -> tuple[tuple[str, str], ...]:

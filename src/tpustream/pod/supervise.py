@@ -29,8 +29,10 @@ from tpustream.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE, TpustreamError
 from tpustream.pod import interrupts
 from tpustream.pod.commands import (
     CONNECTION_LOST_EXIT_CODE,
-    cleanup_command,
-    leftovers_command,
+    Worker,
+    cleanup_commands,
+    launch_workers,
+    leftovers_commands,
     new_run_id,
     preflight_command,
     process_tokens,
@@ -41,6 +43,7 @@ from tpustream.pod.processes import STOP_TIMEOUT_SECONDS, Console, require_gclou
 from tpustream.pod.recreate import PodKeeper
 from tpustream.pod.spec import LaunchSpec, command_output_dir, is_bucket_url
 from tpustream.pod.sync import sync
+from tpustream.pod.tpu import TpuInfo
 
 RESTARTABLE = {
     PREEMPTED_EXIT_CODE: "preempted; last.pt was saved",
@@ -66,8 +69,8 @@ class AttemptResult:
     """How one launch on all workers ended."""
 
     # worker -> gcloud's exit code, for the workers that ended by themselves, in the order they ended
-    exits: dict[int, int]
-    stopped: tuple[int, ...] = ()  # workers the launcher stopped after another one failed
+    exits: dict[Worker, int]
+    stopped: tuple[Worker, ...] = ()  # workers the launcher stopped after another one failed
     interrupted: bool = False  # Ctrl-C
 
     @property
@@ -75,7 +78,7 @@ class AttemptResult:
         return not self.interrupted and not self.stopped and all(code == 0 for code in self.exits.values())
 
     @property
-    def failures(self) -> dict[int, int]:
+    def failures(self) -> dict[Worker, int]:
         """Failed workers in the order they ended; the first is the likely cause."""
         return {worker: code for worker, code in self.exits.items() if code != 0}
 
@@ -88,7 +91,7 @@ class AttemptResult:
             return _shell_exit_code(next(iter(failures.values())))
         return 1 if self.stopped else 0
 
-    def restart_cause(self) -> tuple[int, int] | None:
+    def restart_cause(self) -> tuple[Worker, int] | None:
         """(worker, exit code) of the first failure a relaunch may cure, or None if the failure is final."""
         if self.interrupted:
             return None
@@ -101,13 +104,14 @@ class AttemptResult:
             return None
         worker, code = cause
         if code == HUNG_EXIT_CODE:
-            return f"worker {worker} hung (exit {code}; stacks in {stacks_location(spec)})"
-        return f"worker {worker} exited with {code} ({RESTARTABLE[code]})"
+            return f"{worker} hung (exit {code}; stacks in {stacks_location(spec)})"
+        return f"{worker} exited with {code} ({RESTARTABLE[code]})"
 
     def summary(self) -> str:
-        parts = [f"worker {w} exited with {code}" for w, code in self.failures.items()]
+        parts = [f"{w} exited with {code}" for w, code in self.failures.items()]
         if self.stopped:
-            parts.append(f"worker(s) {', '.join(map(str, self.stopped))} stopped by the launcher")
+            stopped = ", ".join(str(w).removeprefix("worker ") for w in self.stopped)
+            parts.append(f"worker(s) {stopped} stopped by the launcher")
         if self.interrupted:
             parts.insert(0, "interrupted (Ctrl-C)")
         return "; ".join(parts)
@@ -131,7 +135,9 @@ def restarts_used(causes: Counter[int]) -> str:
     return ", ".join(parts)
 
 
-def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Console) -> AttemptResult:
+def run_workers(
+    spec: LaunchSpec, workers: list[Worker], run_id: str, console: Console, coordinator: str | None = None
+) -> AttemptResult:
     """Run the command on every worker at once and wait for all, or for a failure or a Ctrl-C.
 
     After the first failure the others get ``spec.grace`` seconds to end by
@@ -141,30 +147,31 @@ def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Consol
     the first start to the last stop it is polled, not raised (interrupts.deferred),
     so every gcloud started is stopped whenever it comes.
     """
-    events: queue.Queue[tuple[int, int]] = queue.Queue()
-    procs: dict[int, subprocess.Popen] = {}
-    relays: dict[int, list[threading.Thread]] = {}
+    events: queue.Queue[tuple[Worker, int]] = queue.Queue()
+    procs: dict[Worker, subprocess.Popen] = {}
+    relays: dict[Worker, list[threading.Thread]] = {}
 
-    def wait(worker: int, proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
+    def wait(worker: Worker, proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
         code = proc.wait()
         for reader in readers:
             reader.join(STOP_TIMEOUT_SECONDS)  # its last lines come before the summary
         events.put((worker, code))
 
-    exits: dict[int, int] = {}
-    stopped: list[int] = []
+    exits: dict[Worker, int] = {}
+    stopped: list[Worker] = []
     interrupted = False
     with interrupts.deferred():
         try:
-            for worker, argv in enumerate(worker_commands(spec, num_workers, run_id)):
+            commands = worker_commands(spec, workers, run_id, coordinator)
+            for worker, argv in zip(workers, commands, strict=True):
                 if interrupts.received():
                     break  # no training starts on the other hosts
                 procs[worker] = proc = start(argv)
-                relays[worker] = console.follow(proc, f"[worker {worker}] ")
+                relays[worker] = console.follow(proc, f"[{worker}] ")
                 threading.Thread(target=wait, args=(worker, proc, relays[worker]), daemon=True).start()
             deadline: float | None = None
             while (
-                len(exits) < num_workers
+                len(exits) < len(workers)
                 and not interrupts.received()
                 and (deadline is None or time.monotonic() < deadline)
             ):
@@ -173,10 +180,10 @@ def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Consol
                 except queue.Empty:
                     continue
                 exits[worker] = code
-                if code != 0 and deadline is None and len(exits) < num_workers:
+                if code != 0 and deadline is None and len(exits) < len(workers):
                     deadline = time.monotonic() + spec.grace
                     console.say(
-                        f"worker {worker} exited with {code}; the other workers get {spec.grace:g}s to "
+                        f"{worker} exited with {code}; the other workers get {spec.grace:g}s to "
                         "end on their own before they are stopped"
                     )
         except KeyboardInterrupt:  # SIGINT left to Python: launch_pod called outside main()
@@ -200,21 +207,28 @@ def run_workers(spec: LaunchSpec, num_workers: int, run_id: str, console: Consol
 def cleanup(spec: LaunchSpec, run_id: str, console: Console) -> bool:
     """Stop this launch's training on every host; gcloud ssh ending does not end the remote command."""
     console.say(f"stopping `{' '.join(process_tokens(spec.command))}` of run {run_id} on every worker")
-    code = run_streamed(cleanup_command(spec, run_id), console, "[cleanup] ", timeout=CLEANUP_TIMEOUT_SECONDS)
-    if code != 0:
-        check = leftovers_command(spec, run_id)
+    codes = [
+        run_streamed(argv, console, "[cleanup] ", timeout=CLEANUP_TIMEOUT_SECONDS)
+        for argv in cleanup_commands(spec, run_id)
+    ]
+    failed = [(node, code) for node, code in zip(spec.nodes, codes, strict=True) if code != 0]
+    if failed:
+        check = " ; ".join(shlex.join(argv) for argv in leftovers_commands(spec, run_id))
+        where = f" of {', '.join(node for node, _ in failed)}" if spec.num_slices > 1 else ""
         console.say(
-            f"the cleanup failed (gcloud exit code {code}): the training may still run on some workers; "
-            f"check with: {shlex.join(check)}"
+            f"the cleanup failed (gcloud exit code {failed[0][1]}): the training may still run on some "
+            f"workers{where}; check with: {check}"
         )
-    return code == 0
+    return not failed
 
 
 def check_ssh(spec: LaunchSpec) -> None:
     """ssh to worker 0 once, attached to the terminal: gcloud may ask about creating a key."""
     code = subprocess.call(preflight_command(spec))
     if code != 0:
-        raise TpustreamError(f"cannot ssh to worker 0 of TPU {spec.tpu} (gcloud exit code {code}; see above)")
+        raise TpustreamError(
+            f"cannot ssh to worker 0 of TPU {spec.nodes[0]} (gcloud exit code {code}; see above)"
+        )
 
 
 def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) -> int:
@@ -232,18 +246,25 @@ def launch_pod(spec: LaunchSpec, sleep: Callable[[float], None] = time.sleep) ->
         pod.farewell()
 
 
-def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
-    info = pod.first()
+def hosts_of(spec: LaunchSpec, info: TpuInfo | None) -> tuple[list[Worker], str | None]:
+    """The launch's workers (--num-workers, else the pod's hosts) and the coordinator of several slices."""
     num_workers = spec.num_workers
-    if num_workers is None:
-        if not info or not info.num_workers:
+    if num_workers is None or spec.num_slices > 1:
+        if not info or not info.num_workers or (spec.num_slices > 1 and not info.address):
             state = info.state if info else "UNKNOWN"
             raise TpustreamError(f"TPU {spec.tpu} is {state} but lists no networkEndpoints (hosts)")
-        num_workers = info.num_workers
+        num_workers = num_workers or info.num_workers
+    coordinator = info.address if info is not None and spec.num_slices > 1 else None
+    return launch_workers(spec, num_workers), coordinator
+
+
+def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
+    workers, coordinator = hosts_of(spec, pod.first())
     # One per launch: a restart's commands rewrite the pid files only after the cleanup has read them.
     run_id = new_run_id()
-    first = remote_run_command(spec, 0, run_id)
-    console.say(f"TPU {spec.tpu}: {num_workers} worker(s), run {run_id}; worker 0 runs: {first}")
+    first = remote_run_command(spec, workers[0], run_id, coordinator)
+    slices = f" ({spec.num_slices} slices, coordinator {coordinator})" if spec.num_slices > 1 else ""
+    console.say(f"TPU {spec.tpu}: {len(workers)} worker(s){slices}, run {run_id}; {workers[0]} runs: {first}")
     restarts: Counter[int] = Counter()  # by the exit code that caused them
     while True:
         if spec.sync:
@@ -254,11 +275,11 @@ def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
         # the workers are stopped and cleaned up after, as after a failure; a second one
         # abandons the cleanup. One that comes as the workers end still counts (exit 130).
         with interrupts.deferred(up_to=1):
-            result = run_workers(spec, num_workers, run_id, console)
+            result = run_workers(spec, workers, run_id, console, coordinator)
             if interrupts.received():
                 result = replace(result, interrupted=True)
             if result.ok:
-                console.say(f"all {num_workers} worker(s) exited with 0")
+                console.say(f"all {len(workers)} worker(s) exited with 0")
                 return 0
             console.say(result.summary())
             cleaned = cleanup(spec, run_id, console)
@@ -281,8 +302,6 @@ def _launch(spec: LaunchSpec, pod: PodKeeper, console: Console) -> int:
         console.say(
             f"restart {used + 1} of {spec.max_restarts}: {reason}; waiting for TPU {spec.tpu} to be READY"
         )
-        info = pod.ready()
-        if spec.num_workers is None:
-            num_workers = info.num_workers
+        workers, coordinator = hosts_of(spec, pod.ready())  # a recreated pod may have other hosts
         if not cleaned and not pod.fresh:
             cleanup(spec, run_id, console)  # the hosts may have been unreachable the first time
