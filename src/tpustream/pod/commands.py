@@ -263,7 +263,8 @@ def dry_run_lines(spec: LaunchSpec) -> list[str]:
         lines += [quote(describe_command(spec, node)) for node in spec.nodes]
         said = ["the number of workers (len(networkEndpoints))"] if spec.num_workers is None else []
         said += [f"COORDINATOR, the address of {spec.nodes[0]}'s first host"] if multislice else []
-        shown_as = "; worker commands shown for 1 a slice" if spec.num_workers is None else ""
+        per_slice = " of each slice" if multislice else ""
+        shown_as = f"; worker commands shown for 1{per_slice}" if spec.num_workers is None else ""
         lines.append(f"# describe gives {' and '.join(said)}{shown_as}")
     if spec.sync:
         root = spec.source or "the tpustream checkout"
