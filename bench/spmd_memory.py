@@ -67,9 +67,16 @@ classes, at 224 and 480 px), per chip on meshes of --vit-devices chips, as
                  activations fit beside its state, and the largest of the four
                  that fits --vit-batch samples a chip. Not counted: the FSDP
                  unit gathered while it runs, the step's temporaries and what
-                 XLA's fusion keeps or drops; the compiled step's own peak is
-                 not read here: on XLA:CPU it is not the TPU's (docs/large-models.md,
-                 "What fits").
+                 XLA's fusion keeps or drops.
+    compiled     ViT-B/16 at 224 and 480, 2 samples a device, on (fsdp=8) and
+                 (fsdp=4, tensor=2), remat off and on: one bf16 AdamW step as
+                 the trainer places it, compiled (not run) on an 8-device XLA
+                 CPU mesh, and the bytes XLA's buffer assignment gives one
+                 device's program (Total bytes used). XLA:CPU schedules for
+                 speed, not memory: it gathers every FSDP unit's weights at
+                 once and runs the recomputation early, so this is what the
+                 step needs at most, not what a TPU's memory-aware schedule
+                 peaks at (docs/large-models.md, "What fits").
 
 Not counted in the wrn_seed rows, for any strategy: activations (they depend on the batch size),
 gradients (parameter-sized, sharded like the parameters by
@@ -90,6 +97,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -455,6 +463,95 @@ def largest_batch(row: dict, memory: float, remat: bool) -> int:
     return max(0, int(free // activations))
 
 
+# The compiled step, measured: ViT-B/16 at both sizes, on (fsdp=8) and (fsdp=4, tensor=2), remat
+# off and on, a small batch per device (each run compiles the whole step: 20-60 s here).
+COMPILED_MODEL = ("ViT-B/16", "vit_base_patch16_224")
+COMPILED_BATCH = 2
+
+
+def measure_compiled_step_in_this_process(name: str, size: int, tensor: int, remat: bool, batch: int) -> None:
+    """The child: one bf16 AdamW step of a ViT placed as the trainer places it, compiled on this mesh
+    (the parent sets CPU_NUM_DEVICES and XLA_FLAGS' dump folder); the program is compiled, not run."""
+    import timm
+    import torch_xla
+
+    from tpustream.config import MeshConfig, Strategy
+    from tpustream.models.remat import rematerialize
+    from tpustream.runtime import SpmdRuntime
+    from tpustream.training.optimizer import prime_optimizer_state
+    from tpustream.training.sharding_rules import BUILTIN_RULES
+    from tpustream.training.spmd import shard_model, shard_optimizer_state
+
+    runtime = SpmdRuntime(MeshConfig(tensor=tensor), Strategy.spmd_fsdp)
+    model = timm.create_model(name, img_size=size, num_classes=VIT_CLASSES)
+    if remat:
+        rematerialize(model, name, xla=True)
+    wrapped, by_param = shard_model(model.to(runtime.device), runtime, 1_000_000, BUILTIN_RULES)
+    optimizer = torch.optim.AdamW(wrapped.parameters())
+    prime_optimizer_state(optimizer)
+    shard_optimizer_state(optimizer, runtime, by_param)
+    torch_xla.sync(wait=True)
+    samples = batch * runtime.num_devices
+    images = torch.randn(samples, CHANNELS, size, size)
+    placed = runtime.place_batch({"image": images, "label": torch.randint(0, VIT_CLASSES, (samples,))})
+    runtime.constrain_batch(placed)
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(wrapped(placed["image"]), placed["label"])
+    loss.backward()
+    optimizer.step()
+    outputs = [*wrapped.parameters(), *state_tensors(optimizer, "xla"), loss]
+    torch_xla._XLAC._xla_warm_up_cache(outputs, [])  # compile the step's graph without running it
+    print(json.dumps({"mesh": runtime.mesh_shape.describe()}))
+
+
+def measured_compiled_step(name: str, size: int, devices: int, tensor: int, remat: bool, batch: int) -> dict:
+    """XLA's buffer assignment of the compiled step on one device of a devices-mesh (XLA:CPU)."""
+    from bench.remat_memory import compiled_step
+
+    with tempfile.TemporaryDirectory(prefix="tpustream-compiled-step-") as dump:
+        # Optimization level 1: LLVM's, not XLA's HLO passes, so the same buffers, compiled sooner.
+        flags = f"--xla_dump_to={dump} --xla_backend_optimization_level=1"
+        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_FLAGS": flags}
+        arguments = [name, str(size), str(tensor), str(int(remat)), str(batch)]
+        command = [sys.executable, "-m", "bench.spmd_memory", "--measure-compiled", *arguments]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
+        mesh = json.loads(done.stdout.strip().splitlines()[-1])["mesh"]
+        return {"mesh": mesh, **compiled_step(Path(dump))}
+
+
+def compiled_rows(vits: list[dict], devices: int) -> list[dict]:
+    """ViT-B/16's compiled step beside the computed state and activations of the same batch."""
+    label, name = COMPILED_MODEL
+    rows = []
+    for size in VIT_SIZES:
+        for tensor in (1, 2):
+            computed = next(
+                r
+                for r in vits
+                if r["model"] == label
+                and r["image_size"] == size
+                and r["devices"] == devices
+                and r["mesh"] == MeshShape(1, 1, devices // tensor, tensor).describe()
+            )
+            for remat in (False, True):
+                begun = time.perf_counter()
+                measured = measured_compiled_step(name, size, devices, tensor, remat, COMPILED_BATCH)
+                activations = computed["remat_activation_bytes" if remat else "activation_bytes"]
+                state = computed["param_bytes"] + computed["grad_bytes"] + computed["adamw_state_bytes"]
+                row = {"model": label, "image_size": size, "devices": devices, "remat": remat}
+                row |= {"batch_per_device": COMPILED_BATCH, "computed_state_bytes": state}
+                row |= {"computed_activation_bytes": activations * COMPILED_BATCH, **measured}
+                rows.append(row)
+                print(
+                    f"{label} at {size} {measured['mesh']} remat={remat}: compiled step "
+                    f"{measured['peak_bytes'] / GIB:.2f} GiB a device ({time.perf_counter() - begun:.0f}s)",
+                    file=sys.stderr,
+                )
+    return rows
+
+
 # The chips the plan is made for: v5e's 16 GiB and v5p's 95 GiB of HBM a chip.
 CHIPS = (("v5e", 16 * GIB), ("v5p", 95 * GIB))
 
@@ -537,6 +634,24 @@ def vit_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compiled_table(rows: list[dict]) -> str:
+    def gib(value: float) -> str:
+        return f"{value / GIB:,.2f}"
+
+    lines = [
+        "| model | px | mesh | remat | batch/device | compiled step GiB/device (XLA:CPU) | matmuls "
+        "| computed state GiB/device | computed activations GiB/device |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['image_size']} | {row['mesh']} | {row['remat']} "
+            f"| {row['batch_per_device']} | {gib(row['peak_bytes'])} | {row['matmuls']} "
+            f"| {gib(row['computed_state_bytes'])} | {gib(row['computed_activation_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
 def plan_table(plan: dict, devices: list[int]) -> str:
     """Rows: model, size, remat; columns: the largest batch per chip on each chip type and count."""
     columns = [(chip, n) for chip, _ in CHIPS for n in devices]
@@ -572,7 +687,12 @@ def main() -> None:
     )
     parser.add_argument("--measure", choices=sorted(MEASURED), help=argparse.SUPPRESS)  # the child's entry
     parser.add_argument("--measure-vit", nargs=2, metavar=("NAME", "TENSOR"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure-compiled", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure_compiled:
+        name, size, tensor, remat, batch = args.measure_compiled
+        measure_compiled_step_in_this_process(name, int(size), int(tensor), remat == "1", int(batch))
+        return
     if args.measure:
         measure_in_this_process(args.measure)
         return
@@ -606,8 +726,10 @@ def main() -> None:
     vit_start = time.perf_counter()
     vits = vit_rows(args.vit_devices, args.vit_batch)
     checks = check_vit_state(vits, 8)
+    compiled = compiled_rows(vits, 8)
     plan = fitting_plan(vits, args.vit_batch)
     print(vit_table(vits))
+    print(compiled_table(compiled))
     print(plan_table(plan, args.vit_devices))
     vit_seconds = time.perf_counter() - vit_start
 
@@ -633,6 +755,10 @@ def main() -> None:
             "state": "float32 parameters, gradients and AdamW moments as training.sharding_rules splits them",
             "rows": vits,
             "checked_on_8_devices": checks,
+            "compiled_step_on_8_devices": {
+                "how": "XLA:CPU's buffer assignment of the compiled step (Total bytes used), one device",
+                "rows": compiled,
+            },
             "plan": plan,
             "seconds": round(vit_seconds, 1),
         },

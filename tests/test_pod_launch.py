@@ -114,9 +114,10 @@ for arg in sys.argv[1:]:
     if arg.startswith(("fake_hang=", "fake_pids=")):
         name, value = arg.split("=", 1)
         os.environ[{"fake_hang": "FAKE_HANG", "fake_pids": "FAKE_PID_DIR"}[name]] = value
+megascale = {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")}
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pjrt": os.environ.get("PJRT_DEVICE"),
                   "extra": os.environ.get("EXTRA"), "host": os.environ.get("TPUSTREAM_HOST_INDEX"),
-                  "megascale": {k: v for k, v in os.environ.items() if k.startswith("MEGASCALE_")}}), flush=True)
+                  "megascale": megascale}), flush=True)
 print(f"replica log of worker {worker}", file=sys.stderr, flush=True)
 if os.environ.get("FAKE_PID_DIR"):
     Path(os.environ["FAKE_PID_DIR"], f"{worker}.pid").write_text(str(os.getpid()))

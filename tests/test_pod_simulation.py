@@ -26,7 +26,6 @@ from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stages import SHARD_ID_SHIFT
 from tpustream.data.resolve.split import load_manifest
 from tpustream.errors import PREEMPTED_EXIT_CODE
-from tpustream.observe.advice import INPUT_BOUND
 from tpustream.storage import gcs
 
 pytestmark = pytest.mark.slow
@@ -145,8 +144,8 @@ def sample_log_steps(folder: Path, pass_name: str, replicas: int, batch: int) ->
 def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(digits_bucket, tmp_path):
     # Replica processes over gloo without XLA (accelerator=cpu_eager): the launcher, stop votes,
     # checkpoints and resume are the XLA pod's code, at eager speed. A slow input stage (30 ms a
-    # sample) keeps the 12 steps from ending before the signal lands, and starves the run,
-    # which the time breakdown and its advice must say.
+    # sample) keeps the 12 steps from ending before the signal lands; the resumed run reads at
+    # full speed. (A starved run's measure and advice: tests/test_observe_idle.py, test_observe_time.py.)
     run = f"{digits_bucket}/runs/preempted"
     samples = tmp_path / "samples"
     common = [
@@ -196,7 +195,9 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(di
         "accelerator.num_devices=1",
         "accelerator.in_process=true",
     ]
-    resumed = run_train(*stopped, *second_shape, f"hydra.run.dir={tmp_path}/h2")
+    resumed = run_train(
+        *stopped, *second_shape, f"hydra.run.dir={tmp_path}/h2", env={"SLOW_STAGE_SECONDS": "0"}
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"stopped at step {stop} of epoch 0 under 2 replica(s) x batch 32, 2 worker(s); continuing" in (
         resumed.stderr
@@ -212,8 +213,3 @@ def test_sigterm_to_one_replica_stops_the_pod_and_it_resumes_on_another_shape(di
     after = sample_log_steps(samples, f"-from{stop:05d}", 1, 64)
     assert before.shape == (stop, 64) and after.shape == (12 - stop, 64)
     assert len(set(np.concatenate([before, after]).ravel())) == 768
-    # Starved, and the advice names the setting; the advice's own threshold is the bar. On a
-    # host of 2 vCPUs one worker is already the most a replica gets: the advice says so.
-    assert history[0]["input_wait_fraction"] > INPUT_BOUND, history[0]
-    assert "advice: input-bound" in resumed.stderr
-    assert re.search(r"raise data.num_workers from 1 to|data.num_workers=1 already uses", resumed.stderr)

@@ -50,12 +50,15 @@ def slow(samples: Iterator[dict]) -> Iterator[dict]:
     """A deliberately slow stage (30 ms a sample): a run that starves for input.
 
     A sleep, so the input's share grows when a loaded machine slows the steps beside it: at 10 ms
-    a sample a CI run under pytest-xdist measured a 23% share (49-60% alone).
+    a sample a CI run under pytest-xdist measured a 23% share (49-60% alone). SLOW_STAGE_SECONDS
+    sets another delay: the same stage (a resume must keep the stages) at another speed.
     """
+    import os
     import time
 
+    delay = float(os.environ.get("SLOW_STAGE_SECONDS", "0.03"))
     for sample in samples:
-        time.sleep(0.03)
+        time.sleep(delay)
         yield sample
 
 
