@@ -6,10 +6,12 @@ test worker): these share none, so the scheduler may put them beside those.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.conftest import assert_same_run, run_train
 from tests.test_spmd import STOPPED, WEIGHT_TOLERANCE, assert_close_weights, last, step_losses
+from tpustream.checkpoint import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +81,40 @@ def test_a_vit_on_a_2d_mesh_follows_fsdp_and_resumes_bitwise(digits_root, tmp_pa
     # tests/test_spmd.py's test_checkpoints_cross_between_ddp_and_spmd).
     fsdp_state, two_d_state = last(str(tmp_path / "fsdp"))["model"], last(stopped)["model"]
     assert {k: v.shape for k, v in fsdp_state.items()} == {k: v.shape for k, v in two_d_state.items()}
+
+
+# conf/experiment/gpipe_vit_h480.yaml's scaled-down twin, as its header writes it.
+GPIPE_TWIN = (
+    "+experiment=gpipe_vit_h480",
+    "data=digits",
+    "data.image_size=32",
+    "model.options.img_size=32",
+    "model.options.patch_size=4",
+    "+model.options.embed_dim=32",
+    "+model.options.depth=2",
+    "+model.options.num_heads=2",
+)
+
+
+def test_the_gpipe_recipes_twin_trains_on_the_4_device_mesh(digits_root, tmp_path):
+    """The recipe itself (spmd, fsdp over every device, remat, bf16, AdamW, drop path) at toy size."""
+    run = str(tmp_path / "run")
+    result = run_train(
+        *GPIPE_TWIN,
+        f"data.root={digits_root}",
+        f"data.train_shards='{digits_root}/train/train-000000.tar'",
+        "accelerator.num_devices=4",
+        "accelerator.in_process=true",
+        "data.num_workers=0",
+        "epochs=1",
+        f"output_dir={run}",
+        f"hydra.run.dir={tmp_path}/hydra",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh of data=1 x fsdp=4 x tensor=1" in result.stderr
+    assert "model.remat: 2 blocks of vit_huge_patch14_224" in result.stderr
+    (record,) = read_metrics(run)
+    assert record["train_samples"] == 256 and record["val_samples"] == 359
+    assert np.isfinite(record["train_loss"])
+    saved = last(run)
+    assert saved["config"]["model"]["remat"] and saved["config"]["precision"] == "bf16"

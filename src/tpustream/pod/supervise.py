@@ -110,8 +110,11 @@ class AttemptResult:
     def summary(self) -> str:
         parts = [f"{w} exited with {code}" for w, code in self.failures.items()]
         if self.stopped:
-            stopped = ", ".join(str(w).removeprefix("worker ") for w in self.stopped)
-            parts.append(f"worker(s) {stopped} stopped by the launcher")
+            if any(w.slices > 1 for w in self.stopped):
+                stopped = ", ".join(map(str, self.stopped))
+            else:
+                stopped = "worker(s) " + ", ".join(str(w.host) for w in self.stopped)
+            parts.append(f"{stopped} stopped by the launcher")
         if self.interrupted:
             parts.insert(0, "interrupted (Ctrl-C)")
         return "; ".join(parts)
