@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from tpustream.data.read.splitters import ReplicaSplitter as ReplicaSplitter
     from tpustream.data.read.splitters import WorkerSplitter as WorkerSplitter
     from tpustream.data.resolve.split import load_manifest as load_manifest
+    from tpustream.data.shard_loader import ShardLoader as ShardLoader
 
 # Public name -> the module that defines it.
 PUBLIC = {
@@ -45,6 +46,7 @@ PUBLIC = {
     "load_manifest": "tpustream.data.resolve.split",
     "plan_layout": "tpustream.data.read.layout",
     "EpochLayout": "tpustream.data.read.layout",
+    "ShardLoader": "tpustream.data.shard_loader",
 }
 
 __all__ = sorted(PUBLIC)

@@ -58,7 +58,8 @@ class CountingLoader:
     """Iterates a DataLoader, taking the host-only fields out of each batch.
 
     'filled' is summed per epoch; 'sample_id' is kept (for the real samples)
-    when record_ids is set, for exactness audits. A worker's exception comes
+    when record_ids is set, for exactness audits, and stays in each batch with
+    ids_in_batch (tpustream.data.ShardLoader's batches carry it). A worker's exception comes
     out as our own one-line error (DataLoader wraps it in a "Caught X in
     DataLoader worker" text with the worker traceback). The trainer calls
     ``raise_if_incomplete`` after each loop as a last line of defence: a
@@ -74,9 +75,11 @@ class CountingLoader:
         record_ids: bool = False,
         pin_device: torch.device | None = None,
         decode: Callable[[dict], dict] | None = None,
+        ids_in_batch: bool = False,
     ):
         self.loader = loader
         self.record_ids = record_ids
+        self.ids_in_batch = ids_in_batch
         # The GPU batches go to: their images are then put in page-locked
         # memory, by the one copy out of the workers' shared slots.
         self.pin_device = pin_device
@@ -118,7 +121,7 @@ class CountingLoader:
                 for url in batch.pop("bad_shards", ()):
                     if len(self.bad_shards) < MAX_BAD_SHARDS and url not in self.bad_shards:
                         self.bad_shards.append(url)
-                ids = batch.pop("sample_id")
+                ids = batch["sample_id"] if self.ids_in_batch else batch.pop("sample_id")
                 if self.record_ids:
                     self.sample_ids.append(ids[batch["real"] > 0].numpy())
                 self.batches += 1
@@ -293,6 +296,7 @@ def make_loader(
     record_ids: bool = False,
     pin_device: torch.device | None = None,
     decode_device: torch.device | None = None,
+    ids_in_batch: bool = False,
 ) -> CountingLoader:
     """A DataLoader over a ShardStream (its num_workers must match the stream's plan).
 
@@ -335,7 +339,11 @@ def make_loader(
         )
         decode.check()
     return CountingLoader(
-        loader, record_ids, pin_device=pin_device if num_workers > 0 else None, decode=decode
+        loader,
+        record_ids,
+        pin_device=pin_device if num_workers > 0 else None,
+        decode=decode,
+        ids_in_batch=ids_in_batch,
     )
 
 

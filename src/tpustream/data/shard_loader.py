@@ -1,0 +1,281 @@
+"""ShardLoader: tpustream's input pipeline for any training loop, its position a small dict.
+
+    from tpustream.data import ShardLoader
+
+    loader = ShardLoader("gs://bucket/imagenet/train", batch_size=256, image_size=224, num_workers=8)
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:  # image uint8 (B, C, H, W); label, sample_id int64 (B,); real bool (B,)
+            ...
+        state = loader.state_dict()  # JSON-serialisable, a few hundred bytes: keep it in the checkpoint
+    loader.load_state_dict(state)  # on any rank and number of ranks: the same global batches go on
+
+It resolves the split once (shards, their sample counts: a manifest, other tools'
+counts, or counted now by rank 0), plans the epoch for every rank alike (equal
+steps; samples that only pad the last global batch come with real == False), and
+cuts the training order into canonical streams (data.read.layout.CanonicalPartition):
+the global batches are a function of the data, the seed and the global batch
+only, so a state taken at any step continues on any number of ranks that divides
+the streams, with the same global batch. This is the trainer's own pipeline
+(data.read.stream.ShardStream and data.read.loader.make_loader) behind a small
+interface; the state names the dataset, the seed and the partition it belongs to,
+and a state of another one is refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tpustream.config import DataConfig, LastBatch, TrainCrop
+from tpustream.data.format.manifest import ShardManifest
+from tpustream.data.read.layout import CanonicalPartition
+from tpustream.data.read.loader import CountingLoader, close_loaders, make_loader
+from tpustream.data.read.partition import choose_partition
+from tpustream.data.read.stream import ShardStream
+from tpustream.data.resolve.options import SplitOptions
+from tpustream.data.resolve.split import load_split
+from tpustream.errors import ConfigError
+
+STATE_FORMAT = "tpustream.ShardLoader/1"
+
+
+def distributed_rank_and_size() -> tuple[int, int]:
+    """torch.distributed's (rank, world size) when a process group is up, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def dataset_fingerprint(manifest: ShardManifest) -> str:
+    """What the split is, in 16 hex digits: its shards' URLs and sample counts, in order."""
+    listed = json.dumps([[shard.url, shard.samples] for shard in manifest.shards])
+    return hashlib.sha256(listed.encode()).hexdigest()[:16]
+
+
+class ShardLoader:
+    """Batches of one split for a training loop of your own: exact, equal on every rank, resumable anywhere.
+
+    shards: a folder or gs:// prefix of tar shards, a brace pattern, or a list of them
+    (whatever data.train_shards takes). batch_size: this rank's. rank and world_size
+    default to torch.distributed's (0 and 1 without a process group). train: shuffled
+    training order with pad-crop or random-resized crops and flips; False: the split once,
+    in order, with the evaluation crop, every sample exactly once across the ranks (the
+    last batches padded, real == False). image_size: the crops' side (any stored size with
+    crop="random_resized"); None: the images' own size. Normalisation is the caller's (on
+    the device, where it is cheap).
+    """
+
+    def __init__(
+        self,
+        shards: str | Sequence[str],
+        *,
+        batch_size: int,
+        train: bool = True,
+        image_size: int | None = None,
+        crop: str = "pad_crop",
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int = 2,
+        seed: int = 0,
+        shuffle_buffer: int = 2000,
+        streams: int | str = "auto",
+        num_classes: int | None = None,
+        image_key: str | None = None,
+        label_key: str = "cls",
+        prefetch_factor: int = 4,
+        on_error: str = "skip",
+    ):
+        found_rank, found_size = distributed_rank_and_size()
+        self.rank = found_rank if rank is None else rank
+        self.world_size = found_size if world_size is None else world_size
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"ShardLoader: rank {self.rank} is outside a world of {self.world_size}")
+        if batch_size < 1:
+            raise ConfigError(f"ShardLoader: batch_size must be at least 1, got {batch_size}")
+        self.batch_size, self.train, self.seed = batch_size, train, seed
+        train_crop = TrainCrop(crop)
+        self.data = dataclasses.replace(
+            DataConfig(root=""),
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            shuffle_buffer=shuffle_buffer,
+            streams=streams,
+            last_batch=LastBatch.pad,
+            on_error=on_error,
+            train_crop=train_crop,
+            image_size=image_size,
+            num_classes=num_classes,
+            image_key=image_key,
+            label_key=label_key,
+        )
+        options = SplitOptions.from_config(self.data)
+        self.manifest = resolve_split(shards, "train" if train else "val", options, self.rank)
+        self.partition = (
+            choose_partition(
+                streams, self.world_size, batch_size, num_workers, len(self.manifest.shards), shuffle_buffer
+            )
+            if train
+            else None
+        )
+        self.epoch = 0
+        self.step = 0  # batches of this epoch already yielded (and so, for a state, trained on)
+        self._stream: ShardStream | None = None
+        self._loader: CountingLoader | None = None
+
+    # ------------------------------------------------------------------ iterating
+
+    def _built(self) -> CountingLoader:
+        """The pipeline for the current partition, made on first use (workers start with it)."""
+        if self._loader is None:
+            self._stream = ShardStream(
+                self.manifest,
+                self.data,
+                batch_size=self.batch_size,
+                rank=self.rank,
+                world_size=self.world_size,
+                train=self.train,
+                seed=self.seed,
+                partition=self.partition,
+            )
+            self._loader = make_loader(
+                self._stream, self.data.num_workers, self.data.prefetch_factor, ids_in_batch=True
+            )
+            self._loader.start_workers()
+        return self._loader
+
+    @property
+    def steps(self) -> int:
+        """Batches of a whole epoch, on every rank alike."""
+        return self._layout().steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _layout(self):
+        from tpustream.data.read.layout import plan_layout
+
+        return plan_layout(
+            self.manifest.num_samples,
+            self.batch_size,
+            self.world_size,
+            LastBatch.pad,
+            self.manifest.split,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next pass reads; the same epoch again keeps the position within it."""
+        if epoch < 0:
+            raise ConfigError(f"ShardLoader.set_epoch: epoch {epoch} is negative")
+        if epoch != self.epoch:
+            self.epoch, self.step = epoch, 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        loader = self._built()
+        loader.set_epoch(self.epoch, skip_batches=self.step)
+        planned = self.steps
+        for batch in loader:
+            self.step += 1
+            yield {
+                "image": batch["image"],
+                "label": batch["label"],
+                "real": batch["real"] > 0,
+                "sample_id": batch["sample_id"],
+            }
+        if self.step < planned:  # a worker's error is raised above: this is a pass that ended short
+            loader.raise_if_incomplete(self.manifest.split)
+        self.epoch, self.step = self.epoch + 1, 0
+
+    def close(self) -> None:
+        """Stop the workers (they also stop with this process)."""
+        if self._loader is not None:
+            close_loaders(self._loader)
+            self._loader = self._stream = None
+
+    def __enter__(self) -> ShardLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the position
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training order stands: small, JSON-serialisable, the same on every rank."""
+        return {
+            "format": STATE_FORMAT,
+            "dataset": dataset_fingerprint(self.manifest),
+            "samples": self.manifest.num_samples,
+            "shards": len(self.manifest.shards),
+            "train": self.train,
+            "seed": self.seed,
+            "global_batch": self.batch_size * self.world_size,
+            "partition": self.partition.as_dict() if self.partition is not None else None,
+            "world_size": self.world_size,
+            "num_workers": self.data.num_workers,
+            "epoch": self.epoch,
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` stood, on this loader's rank and number of ranks.
+
+        The global batch must be the state's (batch_size x world_size): the same
+        global batches then follow, whatever the ranks and workers. Another
+        dataset, seed or split is refused in one line naming it.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ConfigError(f"ShardLoader.load_state_dict: not a ShardLoader state ({STATE_FORMAT})")
+        mine = self.state_dict()
+        refused = "ShardLoader.load_state_dict:"
+        if state["dataset"] != mine["dataset"]:
+            raise ConfigError(
+                f"{refused} the state is of another dataset ({state['samples']} samples in "
+                f"{state['shards']} shard(s)); this loader reads {mine['samples']} in {mine['shards']} "
+                f"({self.manifest.split})"
+            )
+        for key, what in (("train", "split kind (train)"), ("seed", "seed")):
+            if state[key] != mine[key]:
+                raise ConfigError(
+                    f"{refused} the state's {what} is {state[key]!r}, this loader's {mine[key]!r}"
+                )
+        wanted, ranks = state["global_batch"], self.world_size
+        if wanted != mine["global_batch"]:
+            raise ConfigError(
+                f"{refused} the state's global batch is {wanted}, this loader's {self.batch_size} x "
+                f"{ranks} rank(s) = {mine['global_batch']}: set batch_size={wanted // ranks}"
+                if wanted % ranks == 0
+                else f"{refused} the state's global batch {wanted} does not split over {ranks} rank(s)"
+            )
+        partition = CanonicalPartition.from_dict(state["partition"])
+        if self.train:
+            if partition is None:
+                same = (state["world_size"], state["num_workers"]) == (self.world_size, self.data.num_workers)
+                if state["step"] and not same:
+                    raise ConfigError(
+                        f"{refused} a state of streams=0 continues mid-epoch only on its "
+                        f"own shape ({state['world_size']} rank(s), {state['num_workers']} worker(s))"
+                    )
+            else:
+                partition.check_shape(self.world_size, self.batch_size, self.data.num_workers)
+            if partition != self.partition:
+                self.close()  # the pipeline is made again for the state's partition
+                self.partition = partition
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+def resolve_split(shards: str | Sequence[str], split: str, options: SplitOptions, rank: int) -> ShardManifest:
+    """The split with every shard's count; rank 0 counts what has no count, the others wait for its index."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and rank != 0:
+        torch.distributed.barrier()  # rank 0 resolves first: it may count and write the index
+    options = dataclasses.replace(options, counting_host=rank == 0, progress=False)
+    manifest = load_split(shards, split, options)
+    if distributed and rank == 0:
+        torch.distributed.barrier()
+    return manifest

@@ -1,0 +1,175 @@
+"""tpustream.data.ShardLoader: a plain loop's exact epochs, equal steps and elastic resume.
+
+Ranks here are loaders of one process with rank=/world_size= given (readers of the
+same files, as torchrun's processes are); the last test runs two processes under
+torchrun, where rank and world size come from torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tpustream.data import ShardLoader
+from tpustream.errors import ConfigError
+
+TRAIN_SAMPLES = 1438  # the digits' training split: 6 shards
+
+
+def loaders(root: str, ranks: int, batch: int, **options) -> list[ShardLoader]:
+    return [
+        ShardLoader(
+            f"{root}/train", batch_size=batch, rank=r, world_size=ranks, num_workers=0, seed=3, **options
+        )
+        for r in range(ranks)
+    ]
+
+
+def global_batches(ranks: list[ShardLoader], stop: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ranks' next pass side by side: (sample ids, real) of each global batch, in rank order."""
+    passes = [iter(loader) for loader in ranks]
+    out = []
+    for batches in zip(*passes, strict=True):  # equal steps: a rank with more or fewer fails here
+        ids = np.concatenate([b["sample_id"].numpy() for b in batches])
+        real = np.concatenate([b["real"].numpy() for b in batches])
+        out.append((ids, real))
+        if stop is not None and ranks[0].step == stop:
+            for p in passes:  # cut short, as a loop that breaks
+                p.close()
+            break
+    return out
+
+
+def test_every_sample_once_an_epoch_across_the_ranks_in_equal_steps(digits_root):
+    ranks = loaders(digits_root, 2, 32)
+    assert [len(r) for r in ranks] == [23, 23]  # ceil(1438 / 64) on every rank
+    batch = next(iter(loaders(digits_root, 2, 32)[1]))
+    assert batch["image"].dtype == torch.uint8 and tuple(batch["image"].shape) == (32, 3, 32, 32)
+    assert (
+        batch["label"].dtype == batch["sample_id"].dtype == torch.int64 and batch["real"].dtype == torch.bool
+    )
+    epochs = []
+    for epoch in range(2):
+        for r in ranks:
+            r.set_epoch(epoch)
+        steps = global_batches(ranks)
+        assert len(steps) == 23 and all(r.epoch == epoch + 1 and r.step == 0 for r in ranks)
+        real = np.concatenate([ids[mask] for ids, mask in steps])
+        counts = Counter(real.tolist())
+        assert len(counts) == TRAIN_SAMPLES and set(counts.values()) == {1}
+        assert sum(int((~mask).sum()) for _, mask in steps) == 23 * 64 - TRAIN_SAMPLES  # padding, marked
+        epochs.append(np.concatenate([ids for ids, _ in steps]))
+    assert not np.array_equal(epochs[0], epochs[1])  # each epoch its own order
+
+
+def test_a_state_taken_mid_epoch_continues_the_same_global_batches_on_other_ranks(digits_root):
+    straight = global_batches(loaders(digits_root, 2, 32))
+    stopped = loaders(digits_root, 2, 32)
+    before = global_batches(stopped, stop=5)
+    state = json.loads(json.dumps(stopped[0].state_dict()))  # JSON all the way, as a checkpoint keeps it
+    assert state == stopped[1].state_dict() and len(json.dumps(state)) < 1024
+    assert (state["epoch"], state["step"]) == (0, 5)
+    for ranks, batch in ((1, 64), (4, 16)):
+        resumed = loaders(digits_root, ranks, batch)
+        for r in resumed:
+            r.load_state_dict(state)
+            assert (r.epoch, r.step) == (0, 5)
+            r.set_epoch(r.epoch)  # the documented loop calls it: the position stays
+        after = global_batches(resumed)
+        assert len(after) == 18
+        for (got, got_real), (want, want_real) in zip(before + after, straight, strict=True):
+            assert np.array_equal(got, want) and np.array_equal(got_real, want_real)
+
+
+def test_workers_change_the_speed_not_the_batches(digits_root):
+    without = ShardLoader(f"{digits_root}/train", batch_size=64, num_workers=0, seed=3)
+    with ShardLoader(f"{digits_root}/train", batch_size=64, num_workers=2, seed=3) as workers:
+        got = [(b["sample_id"].numpy(), b["image"].numpy()) for b in workers]
+    want = [(b["sample_id"].numpy(), b["image"].numpy()) for b in without]
+    assert len(got) == len(want) == 23
+    for (ids, images), (want_ids, want_images) in zip(got, want, strict=True):
+        assert np.array_equal(ids, want_ids) and np.array_equal(images, want_images)
+
+
+def test_a_validation_split_is_read_once_in_order_across_the_ranks(digits_root):
+    ranks = [
+        ShardLoader(f"{digits_root}/test", batch_size=50, train=False, rank=r, world_size=3, num_workers=0)
+        for r in range(3)
+    ]
+    steps = global_batches(ranks)
+    assert len(steps) == 3  # ceil(359 / 150)
+    real = np.concatenate([ids[mask] for ids, mask in steps])
+    assert sorted(real.tolist()) == sorted(set(real.tolist())) and len(real) == 359
+    assert ranks[0].state_dict()["partition"] is None
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda root: ShardLoader(f"{root}/nowhere", batch_size=8), "nowhere"),
+        (lambda root: ShardLoader(f"{root}/train", batch_size=8, rank=2, world_size=2), "rank 2 is outside"),
+        (lambda root: ShardLoader(f"{root}/train", batch_size=0), "batch_size must be at least 1"),
+    ],
+    ids=["missing-folder", "rank-outside", "no-batch"],
+)
+def test_bad_arguments_are_one_line_naming_them(digits_root, make, message):
+    with pytest.raises(ConfigError, match=message) as raised:
+        make(digits_root)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_state_of_another_dataset_seed_or_global_batch_is_refused_naming_it(digits_root):
+    (state,) = [r.state_dict() for r in loaders(digits_root, 1, 64)]
+    other_seed = ShardLoader(f"{digits_root}/train", batch_size=64, num_workers=0, seed=4)
+    with pytest.raises(ConfigError, match="the state's seed is 3, this loader's 4"):
+        other_seed.load_state_dict(state)
+    smaller = ShardLoader(f"{digits_root}/train", batch_size=32, num_workers=0, seed=3)
+    with pytest.raises(ConfigError, match="global batch is 64, .*: set batch_size=64"):
+        smaller.load_state_dict(state)
+    other_data = ShardLoader(f"{digits_root}/test", batch_size=64, num_workers=0, seed=3)
+    with pytest.raises(
+        ConfigError, match=r"another dataset \(1438 samples in 6 shard\(s\)\); this loader reads 359"
+    ):
+        other_data.load_state_dict(state)
+    with pytest.raises(ConfigError, match="not a ShardLoader state"):
+        other_data.load_state_dict({"epoch": 1})
+
+
+TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from tpustream.data import ShardLoader
+
+    dist.init_process_group("gloo")
+    # rank and world size: torch.distributed's
+    loader = ShardLoader(sys.argv[1], batch_size=32, num_workers=0, seed=3)
+    ids = [b["sample_id"][b["real"]].tolist() for b in loader]
+    print(json.dumps({"rank": loader.rank, "world": loader.world_size, "steps": len(ids),
+                      "ids": sum(ids, [])}), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_ranks_come_from_torch_distributed(digits_root, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*command, str(script), f"{digits_root}/train"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["rank"], r["world"], r["steps"]) for r in reports) == [(0, 2, 23), (1, 2, 23)]
+    counts = Counter(i for r in reports for i in r["ids"])
+    assert len(counts) == TRAIN_SAMPLES and set(counts.values()) == {1}
