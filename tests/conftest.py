@@ -50,7 +50,10 @@ def pytest_collection_modifyitems(config, items):
     The order stays the files': putting the slow files first (to even out the
     workers' ends) measured 2.5 minutes slower on 2 cores, as two XLA training
     processes then always shared them (measured before the groups worked).
-    How many workers: pytest_xdist_auto_num_workers below.
+    A worker more than the cores (to fill the waits on processes) measured
+    slower too: 18:00 (with two bench runs fewer) vs 17:08, 29.2 vs 26.9
+    CPU-minutes of user time; on 2026-11-29, 15:28 and then 16:35, against
+    16:15-16:52 with a worker a core: no gain to count on.
     """
     for item in items:
         definitions = getattr(item, "_fixtureinfo", None)
@@ -58,18 +61,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         if any(defs[-1].scope == "module" for defs in definitions.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """-n auto: a worker more than the cores, to use what the others leave idle while they wait.
-
-    Many tests wait on the processes they start (signals, deadlines, emulators, slow stages):
-    with a worker a core, 2 cores were busy 76% of the suite (27.5 CPU-minutes in 18:04 of
-    wall time, 2026-11-29, beside 3 CPU-minutes of other work); with 3 workers, 87% (27.1 in
-    15:28), all tests passing. One run of 3 on 2026-11-28 had measured slower (18:00 against
-    17:08, 2.3 CPU-minutes more); docs/development.md keeps the full runs' times since.
-    """
-    return (os.cpu_count() or 1) + 1
 
 
 @pytest.fixture(scope="session")
