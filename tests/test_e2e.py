@@ -180,19 +180,13 @@ def test_a_split_of_unreadable_shards_stops_the_run_naming_them(digits_root, tmp
 
 
 def test_replicas_do_not_outlive_a_killed_train_py(digits_root, tmp_path):
-    # The replica in eager PyTorch (accelerator=cpu_eager): the launcher, the replica process and
-    # its loaders are the XLA run's, without the first step's compile to wait for.
     command = train_command(
-        f"data.root={digits_root}",
-        f"output_dir={tmp_path}/run",
-        "epochs=50",
-        "accelerator=cpu_eager",
-        f"hydra.run.dir={tmp_path}/h",
+        f"data.root={digits_root}", f"output_dir={tmp_path}/run", "epochs=50", f"hydra.run.dir={tmp_path}/h"
     )
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
     replica = None
     for line in process.stderr:
-        if match := re.search(r"replica 0 of 1 on cpu \(pid (\d+)\)", line):
+        if match := re.search(r"replica 0 of 1 on xla:0 \(pid (\d+)\)", line):
             replica = int(match.group(1))
         if "Epoch=0 Step=0 " in line:
             break  # the DataLoader workers are up
