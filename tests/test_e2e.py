@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import REPO, free_port, run_train, train_command
 from tpustream import storage
@@ -222,30 +221,30 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def test_data_from_memory_trains_exactly_as_streamed_and_validation_can_be_off(digits_root, tmp_path):
-    """The epoch-time benchmark's switches (source: memory, validation: off) change the cost, not the run."""
-    runs = {}
-    for source in ("false", "true"):
-        run = str(tmp_path / f"in_memory_{source}")
-        result = run_train(
-            f"data.root={digits_root}",
-            f"output_dir={run}",
-            "epochs=2",
-            "eval_every=0",
-            "data.num_workers=2",
-            "accelerator=cpu_eager",  # the data's source is the subject, not XLA
-            "accelerator.in_process=true",  # the replica in train.py: seconds less per run
-            f"data.in_memory={source}",
-            f"hydra.run.dir={tmp_path}/h-{source}",
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "2 epoch(s), no validation; checkpoints in" in result.stdout
-        runs[source] = run
+def test_data_from_memory_and_validation_off_change_the_cost_not_the_run(digits_root, tmp_path):
+    """The epoch-time benchmark's switches (source: memory, validation: off) through train.py.
+
+    That memory serves the batches streaming serves, bit for bit on any shape, workers and
+    resume point, is test_pipeline's (in process); here train.py takes the switches.
+    """
+    run = str(tmp_path / "in_memory")
+    result = run_train(
+        f"data.root={digits_root}",
+        f"output_dir={run}",
+        "epochs=2",
+        "eval_every=0",
+        "data.num_workers=2",  # the split in shared memory, read by the workers
+        "accelerator=cpu_eager",  # the data's source is the subject, not XLA
+        "accelerator.in_process=true",  # the replica in train.py: seconds less per run
+        "data.in_memory=true",
+        f"hydra.run.dir={tmp_path}/h",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 epoch(s), no validation; checkpoints in" in result.stdout
     assert "train split in memory: 1438 of 1438 listed samples" in result.stderr
-    streamed, from_memory = (load_checkpoint(f"{runs[s]}/checkpoints/last.pt") for s in ("false", "true"))
-    for name, tensor in streamed["model"].items():
-        assert torch.equal(from_memory["model"][name], tensor), name  # the same batches, bit for bit
-    assert not storage.exists(f"{runs['true']}/checkpoints/best.pt")  # nothing was evaluated
-    history = metrics(runs["true"])
+    assert storage.exists(f"{run}/checkpoints/last.pt")
+    assert not storage.exists(f"{run}/checkpoints/best.pt")  # nothing was evaluated
+    history = metrics(run)
     assert [m["epoch"] for m in history] == [0, 1] and not any("val_accuracy" in m for m in history)
+    assert all(m["train_samples"] == 1438 for m in history)  # every sample, from memory
     assert "setup_seconds" in history[0] and all(m["epoch_seconds"] == m["train_seconds"] for m in history)
