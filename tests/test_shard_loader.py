@@ -21,13 +21,17 @@ from tests.conftest import REPO
 from tpustream.data import ShardLoader
 from tpustream.errors import ConfigError
 
-TRAIN_SAMPLES = 1438  # the digits' training split: 6 shards
+# The last 3 shards of the digits' training split (256 + 256 + 158 samples): 11 global batches
+# of 64, the last one padded.
+TRAIN = "train/train-{000003..000005}.tar"
+TRAIN_SAMPLES = 670
+STEPS = 11
 
 
 def loaders(root: str, ranks: int, batch: int, **options) -> list[ShardLoader]:
     return [
         ShardLoader(
-            f"{root}/train", batch_size=batch, rank=r, world_size=ranks, num_workers=0, seed=3, **options
+            f"{root}/{TRAIN}", batch_size=batch, rank=r, world_size=ranks, num_workers=0, seed=3, **options
         )
         for r in range(ranks)
     ]
@@ -50,7 +54,7 @@ def global_batches(ranks: list[ShardLoader], stop: int | None = None) -> list[tu
 
 def test_every_sample_once_an_epoch_across_the_ranks_in_equal_steps(digits_root):
     ranks = loaders(digits_root, 2, 32)
-    assert [len(r) for r in ranks] == [23, 23]  # ceil(1438 / 64) on every rank
+    assert [len(r) for r in ranks] == [STEPS, STEPS]  # ceil(670 / 64) on every rank
     batch = next(iter(loaders(digits_root, 2, 32)[1]))
     assert batch["image"].dtype == torch.uint8 and tuple(batch["image"].shape) == (32, 3, 32, 32)
     assert (
@@ -61,18 +65,20 @@ def test_every_sample_once_an_epoch_across_the_ranks_in_equal_steps(digits_root)
         for r in ranks:
             r.set_epoch(epoch)
         steps = global_batches(ranks)
-        assert len(steps) == 23 and all(r.epoch == epoch + 1 and r.step == 0 for r in ranks)
+        assert len(steps) == STEPS and all(r.epoch == epoch + 1 and r.step == 0 for r in ranks)
         real = np.concatenate([ids[mask] for ids, mask in steps])
         counts = Counter(real.tolist())
         assert len(counts) == TRAIN_SAMPLES and set(counts.values()) == {1}
-        assert sum(int((~mask).sum()) for _, mask in steps) == 23 * 64 - TRAIN_SAMPLES  # padding, marked
+        assert sum(int((~mask).sum()) for _, mask in steps) == STEPS * 64 - TRAIN_SAMPLES  # padding, marked
         epochs.append(np.concatenate([ids for ids, _ in steps]))
     assert not np.array_equal(epochs[0], epochs[1])  # each epoch its own order
 
 
 def test_a_state_taken_mid_epoch_continues_the_same_global_batches_on_other_ranks(digits_root):
-    straight = global_batches(loaders(digits_root, 2, 32))
-    stopped = loaders(digits_root, 2, 32)
+    # 4 canonical streams (auto takes one a rank here, a stream starting on a shard of its own):
+    # 1, 2 or 4 ranks can continue them.
+    straight = global_batches(loaders(digits_root, 2, 32, streams=4))
+    stopped = loaders(digits_root, 2, 32, streams=4)
     before = global_batches(stopped, stop=5)
     state = json.loads(json.dumps(stopped[0].state_dict()))  # JSON all the way, as a checkpoint keeps it
     assert state == stopped[1].state_dict() and len(json.dumps(state)) < 1024
@@ -84,17 +90,17 @@ def test_a_state_taken_mid_epoch_continues_the_same_global_batches_on_other_rank
             assert (r.epoch, r.step) == (0, 5)
             r.set_epoch(r.epoch)  # the documented loop calls it: the position stays
         after = global_batches(resumed)
-        assert len(after) == 18
+        assert len(after) == STEPS - 5
         for (got, got_real), (want, want_real) in zip(before + after, straight, strict=True):
             assert np.array_equal(got, want) and np.array_equal(got_real, want_real)
 
 
 def test_workers_change_the_speed_not_the_batches(digits_root):
-    without = ShardLoader(f"{digits_root}/train", batch_size=64, num_workers=0, seed=3)
-    with ShardLoader(f"{digits_root}/train", batch_size=64, num_workers=2, seed=3) as workers:
+    without = ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=0, seed=3)
+    with ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=2, seed=3) as workers:
         got = [(b["sample_id"].numpy(), b["image"].numpy()) for b in workers]
     want = [(b["sample_id"].numpy(), b["image"].numpy()) for b in without]
-    assert len(got) == len(want) == 23
+    assert len(got) == len(want) == STEPS
     for (ids, images), (want_ids, want_images) in zip(got, want, strict=True):
         assert np.array_equal(ids, want_ids) and np.array_equal(images, want_images)
 
@@ -128,19 +134,23 @@ def test_bad_arguments_are_one_line_naming_them(digits_root, make, message):
 
 def test_a_state_of_another_dataset_seed_or_global_batch_is_refused_naming_it(digits_root):
     (state,) = [r.state_dict() for r in loaders(digits_root, 1, 64)]
-    other_seed = ShardLoader(f"{digits_root}/train", batch_size=64, num_workers=0, seed=4)
+    other_seed = ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=0, seed=4)
     with pytest.raises(ConfigError, match="the state's seed is 3, this loader's 4"):
         other_seed.load_state_dict(state)
-    smaller = ShardLoader(f"{digits_root}/train", batch_size=32, num_workers=0, seed=3)
+    smaller = ShardLoader(f"{digits_root}/{TRAIN}", batch_size=32, num_workers=0, seed=3)
     with pytest.raises(ConfigError, match="global batch is 64, .*: set batch_size=64"):
         smaller.load_state_dict(state)
     other_data = ShardLoader(f"{digits_root}/test", batch_size=64, num_workers=0, seed=3)
     with pytest.raises(
-        ConfigError, match=r"another dataset \(1438 samples in 6 shard\(s\)\); this loader reads 359"
+        ConfigError, match=r"another dataset \(670 samples in 3 shard\(s\)\); this loader reads 359"
     ):
         other_data.load_state_dict(state)
     with pytest.raises(ConfigError, match="not a ShardLoader state"):
         other_data.load_state_dict({"epoch": 1})
+    # Ranks that do not divide the state's canonical streams (auto: 2 for 2 ranks of 3 shards).
+    (two_streams, _) = [r.state_dict() for r in loaders(digits_root, 2, 32)]
+    with pytest.raises(ConfigError, match="4 replica.s. cannot share the run's 2 canonical streams"):
+        loaders(digits_root, 4, 16)[0].load_state_dict(two_streams)
 
 
 TORCHRUN_SCRIPT = textwrap.dedent(
@@ -165,11 +175,10 @@ def test_under_torchrun_the_ranks_come_from_torch_distributed(digits_root, tmp_p
     script = tmp_path / "loop.py"
     script.write_text(TORCHRUN_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*command, str(script), f"{digits_root}/train"], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    command += [str(script), f"{digits_root}/{TRAIN}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert sorted((r["rank"], r["world"], r["steps"]) for r in reports) == [(0, 2, 23), (1, 2, 23)]
+    assert sorted((r["rank"], r["world"], r["steps"]) for r in reports) == [(0, 2, STEPS), (1, 2, STEPS)]
     counts = Counter(i for r in reports for i in r["ids"])
     assert len(counts) == TRAIN_SAMPLES and set(counts.values()) == {1}
