@@ -615,10 +615,12 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def vit_table(rows: list[dict]) -> str:
-    def gib(value: float) -> str:
-        return f"{value / GIB:,.2f}"
+def gib(value: float) -> str:
+    """Bytes as GiB with two decimals, as the ViT tables show them."""
+    return f"{value / GIB:,.2f}"
 
+
+def vit_table(rows: list[dict]) -> str:
     lines = [
         "| model | params | px | chips | mesh | params+grads+AdamW GiB/chip | activations GiB/sample "
         "| with remat GiB/sample |",
@@ -635,9 +637,6 @@ def vit_table(rows: list[dict]) -> str:
 
 
 def compiled_table(rows: list[dict]) -> str:
-    def gib(value: float) -> str:
-        return f"{value / GIB:,.2f}"
-
     lines = [
         "| model | px | mesh | remat | batch/device | compiled step GiB/device (XLA:CPU) | matmuls "
         "| computed state GiB/device | computed activations GiB/device |",
