@@ -36,7 +36,7 @@ def test_a_second_pod_host_waits_for_host_zero_instead_of_counting(unindexed, mo
 
     split = hosts.load_split_on_this_host(unindexed, "train", DIGITS, sleep=host_zero_finishes)
     assert [s.samples for s in split.shards] == [7, 7, 7, 4] and len(naps) == 2
-    assert split.counts_from.endswith("(written by host 0)")
+    assert split.counts_from.endswith("(written by pod host 0)")
 
 
 def test_only_the_first_host_of_the_first_slice_counts(unindexed, monkeypatch):

@@ -8,9 +8,11 @@ torchrun, where rank and world size come from torch.distributed.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import Counter
 
 import numpy as np
@@ -151,6 +153,29 @@ def test_a_state_of_another_dataset_seed_or_global_batch_is_refused_naming_it(di
     (two_streams, _) = [r.state_dict() for r in loaders(digits_root, 2, 32)]
     with pytest.raises(ConfigError, match="4 replica.s. cannot share the run's 2 canonical streams"):
         loaders(digits_root, 4, 16)[0].load_state_dict(two_streams)
+
+
+def test_shards_without_counts_are_counted_by_rank_0_while_the_others_wait(
+    digits_root, tmp_path, monkeypatch
+):
+    from tpustream.data.resolve import split
+
+    monkeypatch.setattr(split, "INDEX_POLL_SECONDS", 0.05)
+    folder = tmp_path / "unindexed"
+    folder.mkdir()
+    for name in ("train-000004.tar", "train-000005.tar"):  # 256 + 158 samples, no manifest
+        shutil.copy(f"{digits_root}/train/{name}", folder)
+    made: dict[int, ShardLoader] = {}
+    waiting = threading.Thread(
+        target=lambda: made.update(
+            {1: ShardLoader(str(folder), batch_size=8, rank=1, world_size=2, num_classes=10)}
+        )
+    )
+    waiting.start()  # rank 1 first: it finds no counts and waits for rank 0's index
+    made[0] = ShardLoader(str(folder), batch_size=8, rank=0, world_size=2, num_classes=10)
+    waiting.join(60)
+    assert not waiting.is_alive() and made[1].manifest.num_samples == made[0].manifest.num_samples == 414
+    assert made[1].state_dict()["dataset"] == made[0].state_dict()["dataset"]
 
 
 TORCHRUN_SCRIPT = textwrap.dedent(

@@ -39,7 +39,7 @@ from tpustream.data.read.loader import CountingLoader, close_loaders, make_loade
 from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.options import SplitOptions
-from tpustream.data.resolve.split import load_split
+from tpustream.data.resolve.split import load_split, load_split_counted_elsewhere
 from tpustream.errors import ConfigError
 
 STATE_FORMAT = "tpustream.ShardLoader/1"
@@ -269,13 +269,16 @@ class ShardLoader:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
 
+# How long a rank other than 0 waits for rank 0's index of shards without a count.
+INDEX_WAIT_SECONDS = 3600.0
+
+
 def resolve_split(shards: str | Sequence[str], split: str, options: SplitOptions, rank: int) -> ShardManifest:
-    """The split with every shard's count; rank 0 counts what has no count, the others wait for its index."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and rank != 0:
-        torch.distributed.barrier()  # rank 0 resolves first: it may count and write the index
-    options = dataclasses.replace(options, counting_host=rank == 0, progress=False)
-    manifest = load_split(shards, split, options)
-    if distributed and rank == 0:
-        torch.distributed.barrier()
-    return manifest
+    """The split with every shard's count; rank 0 counts what has no count, the others wait for its index.
+
+    No collective: a loader made on some ranks only (an evaluation on rank 0) waits for nothing.
+    """
+    options = dataclasses.replace(options, progress=False)
+    if rank == 0:
+        return load_split(shards, split, options)
+    return load_split_counted_elsewhere(shards, split, options, "rank 0", INDEX_WAIT_SECONDS)

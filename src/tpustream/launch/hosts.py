@@ -16,15 +16,11 @@ from collections.abc import Callable, Sequence
 
 from tpustream.config import Device, RuntimeKind, TrainConfig, positive_seconds
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.resolve.counting import CountsNotReady
-from tpustream.data.resolve.split import SplitOptions, load_split
+from tpustream.data.resolve.split import SplitOptions, load_split, load_split_counted_elsewhere
 from tpustream.errors import ConfigError
 from tpustream.preemption import raise_if_stop_requested
 
 log = logging.getLogger(__name__)
-
-# Seconds between two looks at host 0's index.
-INDEX_POLL_SECONDS = 5.0
 
 
 def host_index() -> int:
@@ -81,27 +77,13 @@ def load_split_on_this_host(
     """load_split as this pod host may: host 0 counts what is missing, the others wait for its index."""
     if counts_shards():
         return load_split(spec, split, options)
-    options = dataclasses.replace(options, counting_host=False)
-    deadline = time.monotonic() + index_wait_seconds()
-    waiting = None
-    while True:
-        try:
-            manifest = load_split(spec, split, options)
-        except CountsNotReady as exc:
-            if waiting is None:
-                log.info("%s: waiting for pod host 0 to index the shards", exc.folder)
-            waiting = exc
-        else:
-            if waiting is not None:
-                manifest.counts_from += " (written by host 0)"
-            return manifest
-        if time.monotonic() >= deadline:
-            raise ConfigError(
-                f"{waiting.folder}: pod host 0 wrote no index covering these shards within "
-                f"{index_wait_seconds():.0f} s; run `tpustream-index {waiting.folder}` once before the job"
-            )
-        sleep(INDEX_POLL_SECONDS)
+
+    def between_polls() -> None:
         raise_if_stop_requested("while waiting for pod host 0's index")
+
+    return load_split_counted_elsewhere(
+        spec, split, options, "pod host 0", index_wait_seconds(), between_polls, sleep
+    )
 
 
 # -- a native PyTorch job's machines (accelerator=cuda, cpu_eager) ----------------

@@ -207,7 +207,7 @@ def count_into_index(
 class CountsNotReady(ConfigError):
     """Shards without a count where this process may not count them (a pod host other than the first).
 
-    launch/ catches it and waits for the host that counts to write the index.
+    split.load_split_counted_elsewhere catches it and waits for the one that counts to write the index.
     """
 
     def __init__(self, folder: str, missing: int):

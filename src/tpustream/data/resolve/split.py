@@ -13,13 +13,15 @@ keys, so a wrong key fails here rather than after an epoch of bad samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from tpustream import storage
 from tpustream.data.format.manifest import ShardInfo, ShardManifest
 from tpustream.data.resolve import recorded
-from tpustream.data.resolve.counting import counts_for
+from tpustream.data.resolve.counting import CountsNotReady, counts_for
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.probe import check_first_samples, describe_images
 from tpustream.data.resolve.shard_spec import describe_spec, expand_spec, first_duplicate
@@ -81,6 +83,48 @@ def _check_total_hints(folders: list[str], shards: list[ShardInfo]) -> None:
                 hint,
                 total,
             )
+
+
+# Seconds between two looks for the counting process's index.
+INDEX_POLL_SECONDS = 5.0
+
+
+def load_split_counted_elsewhere(
+    spec: str | Sequence[str],
+    split: str,
+    options: SplitOptions,
+    counter: str,
+    wait_seconds: float,
+    between_polls: Callable[[], None] = lambda: None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ShardManifest:
+    """load_split as a process that may not count: it waits for ``counter``'s index of what has no count.
+
+    counter names the one process that counts (a pod's host 0, a loop's rank 0),
+    in the log line and in the error after ``wait_seconds``; between_polls runs
+    between two looks (a stop request raises there).
+    """
+    options = dataclasses.replace(options, counting_host=False)
+    deadline = time.monotonic() + wait_seconds
+    waiting = None
+    while True:
+        try:
+            manifest = load_split(spec, split, options)
+        except CountsNotReady as exc:
+            if waiting is None:
+                log.info("%s: waiting for %s to index the shards", exc.folder, counter)
+            waiting = exc
+        else:
+            if waiting is not None:
+                manifest.counts_from += f" (written by {counter})"
+            return manifest
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"{waiting.folder}: {counter} wrote no index covering these shards within "
+                f"{wait_seconds:.0f} s; run `tpustream-index {waiting.folder}` once before the job"
+            )
+        sleep(INDEX_POLL_SECONDS)
+        between_polls()
 
 
 def load_manifest(spec: str | Sequence[str], num_classes: int | None = None) -> ShardManifest:
