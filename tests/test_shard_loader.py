@@ -125,8 +125,9 @@ def test_a_validation_split_is_read_once_in_order_across_the_ranks(digits_root):
         (lambda root: ShardLoader(f"{root}/nowhere", batch_size=8), "nowhere"),
         (lambda root: ShardLoader(f"{root}/train", batch_size=8, rank=2, world_size=2), "rank 2 is outside"),
         (lambda root: ShardLoader(f"{root}/train", batch_size=0), "batch_size must be at least 1"),
+        (lambda root: ShardLoader(f"{root}/train", batch_size=8, crop="center"), "crop='center'; expected"),
     ],
-    ids=["missing-folder", "rank-outside", "no-batch"],
+    ids=["missing-folder", "rank-outside", "no-batch", "unknown-crop"],
 )
 def test_bad_arguments_are_one_line_naming_them(digits_root, make, message):
     with pytest.raises(ConfigError, match=message) as raised:

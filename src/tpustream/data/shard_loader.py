@@ -28,13 +28,14 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
+from enum import Enum
 from typing import Any
 
 import torch
 
-from tpustream.config import DataConfig, LastBatch, TrainCrop
+from tpustream.config import DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.layout import CanonicalPartition
+from tpustream.data.read.layout import CanonicalPartition, EpochLayout, plan_layout
 from tpustream.data.read.loader import CountingLoader, close_loaders, make_loader
 from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stream import ShardStream
@@ -50,6 +51,15 @@ def distributed_rank_and_size() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _choice(kind: type[Enum], value: str, name: str) -> Enum:
+    """value as one of kind's members; a ConfigError naming the argument and the choices otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise ConfigError(f"ShardLoader: {name}={value!r}; expected one of {choices}") from None
 
 
 def dataset_fingerprint(manifest: ShardManifest) -> str:
@@ -99,7 +109,7 @@ class ShardLoader:
         if batch_size < 1:
             raise ConfigError(f"ShardLoader: batch_size must be at least 1, got {batch_size}")
         self.batch_size, self.train, self.seed = batch_size, train, seed
-        train_crop = TrainCrop(crop)
+        train_crop = _choice(TrainCrop, crop, "crop")
         self.data = dataclasses.replace(
             DataConfig(root=""),
             num_workers=num_workers,
@@ -107,7 +117,7 @@ class ShardLoader:
             shuffle_buffer=shuffle_buffer,
             streams=streams,
             last_batch=LastBatch.pad,
-            on_error=on_error,
+            on_error=_choice(OnError, on_error, "on_error"),
             train_crop=train_crop,
             image_size=image_size,
             num_classes=num_classes,
@@ -157,9 +167,7 @@ class ShardLoader:
     def __len__(self) -> int:
         return self.steps
 
-    def _layout(self):
-        from tpustream.data.read.layout import plan_layout
-
+    def _layout(self) -> EpochLayout:
         return plan_layout(
             self.manifest.num_samples,
             self.batch_size,
