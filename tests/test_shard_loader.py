@@ -97,6 +97,12 @@ def test_a_state_taken_mid_epoch_continues_the_same_global_batches_on_other_rank
             assert np.array_equal(got, want) and np.array_equal(got_real, want_real)
 
 
+def test_shards_stream_from_a_bucket(digits_bucket):
+    loader = ShardLoader(f"{digits_bucket}/digits/{TRAIN}", batch_size=64, num_workers=0, seed=3)
+    real = np.concatenate([b["sample_id"][b["real"]].numpy() for b in loader])
+    assert len(real) == len(set(real.tolist())) == TRAIN_SAMPLES and loader.epoch == 1
+
+
 def test_workers_change_the_speed_not_the_batches(digits_root):
     without = ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=0, seed=3)
     with ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=2, seed=3) as workers:
