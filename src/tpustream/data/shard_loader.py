@@ -41,7 +41,7 @@ from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.split import load_split, load_split_counted_elsewhere
-from tpustream.errors import ConfigError
+from tpustream.errors import ConfigError, DataError
 
 STATE_FORMAT = "tpustream.ShardLoader/1"
 
@@ -196,7 +196,7 @@ class ShardLoader:
                 "sample_id": batch["sample_id"],
             }
         if self.step < planned:  # a worker's error is raised above: this is a pass that ended short
-            loader.raise_if_incomplete(self.manifest.split)
+            raise DataError(f"{self.manifest.split}: the pass ended at batch {self.step} of {planned}")
         self.epoch, self.step = self.epoch + 1, 0
 
     def close(self) -> None:
