@@ -14,6 +14,12 @@ from tpustream.data import ShardLoader
 TRAIN = "train/train-{000003..000005}.tar"  # 670 samples: 21 batches of 32
 
 
+def digits(root: str, rank: int, world_size: int) -> ShardLoader:
+    """The loader both frameworks' runs read, on the rank and world the framework gives."""
+    options = {"batch_size": 32, "num_workers": 0, "seed": 3}
+    return ShardLoader(f"{root}/{TRAIN}", rank=rank, world_size=world_size, **options)
+
+
 class Tiny(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -43,15 +49,7 @@ def test_a_lightning_datamodule_resumes_mid_epoch_on_the_same_batches(digits_roo
 
     class Digits(L.LightningDataModule):
         def setup(self, stage: str) -> None:
-            trainer = self.trainer
-            self.train = ShardLoader(
-                f"{digits_root}/{TRAIN}",
-                batch_size=32,
-                rank=trainer.global_rank,
-                world_size=trainer.world_size,
-                num_workers=0,
-                seed=3,
-            )
+            self.train = digits(digits_root, self.trainer.global_rank, self.trainer.world_size)
 
         def train_dataloader(self) -> ShardLoader:
             return self.train
@@ -92,14 +90,7 @@ def test_an_accelerate_loop_keeps_the_loader_in_its_saved_state(digits_root, tmp
         model = Tiny()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model, optimizer = accelerator.prepare(model, optimizer)  # not the loader: it splits itself
-        loader = ShardLoader(
-            f"{digits_root}/{TRAIN}",
-            batch_size=32,
-            rank=accelerator.process_index,
-            world_size=accelerator.num_processes,
-            num_workers=0,
-            seed=3,
-        )
+        loader = digits(digits_root, accelerator.process_index, accelerator.num_processes)
         accelerator.register_for_checkpointing(loader)
         if state is not None:
             accelerator.load_state(state)
