@@ -168,11 +168,12 @@ class ShardLoader:
         return self.steps
 
     def _layout(self) -> EpochLayout:
+        """The epoch's plan as the stream makes it, from the same data section."""
         return plan_layout(
             self.manifest.num_samples,
             self.batch_size,
             self.world_size,
-            LastBatch.pad,
+            LastBatch(self.data.last_batch),
             self.manifest.split,
         )
 
