@@ -271,7 +271,7 @@ class MemorySource:
                 preemption.request_stop()
             self.sample_ids.append(ids[real].numpy())
             self.batches += 1
-            batch = {"image": self.images[ids], "label": self.labels[ids], "real": real.float()}
+            batch = {"image": self.images[ids], "label": self.labels[ids], "real": real}
             if self.draws is not None:
                 batch.update(self.draws(self.epoch, ids.where(real, -1).numpy()))
             time.sleep(self.delay)
@@ -280,6 +280,18 @@ class MemorySource:
     def raise_if_incomplete(self, split: str) -> None:
         if self.batches != len(self):
             raise DataError(f"{split} loader yielded {self.batches} of {len(self)} planned batches")
+
+    def state_dict(self, position: tuple[int, int]) -> dict[str, Any]:
+        """The data plan of a per-reader order (training.epoch_order), at position."""
+        return {
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "num_workers": 0,
+            "steps_per_epoch": self.steps,
+            "seed": self.seed,
+            "epoch": position[0],
+            "step": position[1],
+        }
 
 
 # -- a tiny job -----------------------------------------------------------------

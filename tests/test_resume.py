@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import assert_same_run, run_train, sigterm_at_step, train_command
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
+from tpustream.data import ShardLoader
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,15 @@ def test_sigterm_at_a_random_step_saves_and_resumes_to_the_same_result(digits_ro
     assert saved["global_step"] >= target
     epoch, step = saved["position"]["epoch"], saved["position"]["step"]
     assert epoch * STEPS_PER_EPOCH + step == saved["global_step"]
+    # Its data plan is the training loader's state at that step: a loop of one's own
+    # reading the same shards through tpustream.data.ShardLoader takes it.
+    data = saved["data_plan"]
+    assert (data["epoch"], data["step"], data["steps_per_epoch"]) == (epoch, step, STEPS_PER_EPOCH)
+    reader = ShardLoader(
+        f"{digits_root}/{TRAIN_SHARDS}", batch_size=data["global_batch"], num_workers=0, seed=data["seed"]
+    )
+    reader.load_state_dict(data)
+    assert (reader.epoch, reader.step) == (epoch, step)
 
     resumed = run_train(*common(digits_root, run, str(tmp_path / "h2")))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

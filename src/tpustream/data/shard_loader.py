@@ -16,10 +16,12 @@ steps; samples that only pad the last global batch come with real == False), and
 cuts the training order into canonical streams (data.read.layout.CanonicalPartition):
 the global batches are a function of the data, the seed and the global batch
 only, so a state taken at any step continues on any number of ranks that divides
-the streams, with the same global batch. This is the trainer's own pipeline
-(data.read.stream.ShardStream and data.read.loader.make_loader) behind a small
-interface; the state names the dataset, the seed and the partition it belongs to,
-and a state of another one is refused in one line.
+the streams, with the same global batch. The state names the dataset, the seed and
+the partition it belongs to, and a state of another one is refused in one line.
+
+It is train.py's loader too (``ShardLoader.of_split``, the run's data.* section
+whole): the trainer reads its batches (training.source.EpochSource), and a
+checkpoint's data plan is its ``state_dict`` at the step trained.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 
-from tpustream.config import DataConfig, LastBatch, OnError, TrainCrop
+from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.manifest import ShardManifest
 from tpustream.data.read.layout import CanonicalPartition, EpochLayout, plan_layout
 from tpustream.data.read.loader import CountingLoader, close_loaders, make_loader
@@ -41,9 +44,12 @@ from tpustream.data.read.partition import choose_partition
 from tpustream.data.read.stream import ShardStream
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.split import load_split, load_split_counted_elsewhere
-from tpustream.errors import ConfigError, DataError
+from tpustream.errors import ConfigError
+from tpustream.observe.timing import BatchWaits
 
-STATE_FORMAT = "tpustream.ShardLoader/1"
+STATE_FORMAT = "tpustream.ShardLoader/2"
+# The first format: the canonical partition under "partition" ({"streams", "stream_buffer"} or None).
+FIRST_STATE_FORMAT = "tpustream.ShardLoader/1"
 
 
 def distributed_rank_and_size() -> tuple[int, int]:
@@ -102,15 +108,13 @@ class ShardLoader:
         on_error: str = "skip",
     ):
         found_rank, found_size = distributed_rank_and_size()
-        self.rank = found_rank if rank is None else rank
-        self.world_size = found_size if world_size is None else world_size
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"ShardLoader: rank {self.rank} is outside a world of {self.world_size}")
+        rank = found_rank if rank is None else rank
+        world_size = found_size if world_size is None else world_size
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"ShardLoader: rank {rank} is outside a world of {world_size}")
         if batch_size < 1:
             raise ConfigError(f"ShardLoader: batch_size must be at least 1, got {batch_size}")
-        self.batch_size, self.train, self.seed = batch_size, train, seed
-        train_crop = _choice(TrainCrop, crop, "crop")
-        self.data = dataclasses.replace(
+        data = dataclasses.replace(
             DataConfig(root=""),
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
@@ -118,21 +122,88 @@ class ShardLoader:
             streams=streams,
             last_batch=LastBatch.pad,
             on_error=_choice(OnError, on_error, "on_error"),
-            train_crop=train_crop,
+            train_crop=_choice(TrainCrop, crop, "crop"),
             image_size=image_size,
             num_classes=num_classes,
             image_key=image_key,
             label_key=label_key,
         )
-        options = SplitOptions.from_config(self.data)
-        self.manifest = resolve_split(shards, "train" if train else "val", options, self.rank)
-        self.partition = (
+        manifest = resolve_split(shards, "train" if train else "val", SplitOptions.from_config(data), rank)
+        partition = (
             choose_partition(
-                streams, self.world_size, batch_size, num_workers, len(self.manifest.shards), shuffle_buffer
+                streams, world_size, batch_size, num_workers, len(manifest.shards), shuffle_buffer
             )
             if train
             else None
         )
+        self._set_up(manifest, data, batch_size, rank, world_size, train, seed, partition, ids_in_batch=True)
+
+    @classmethod
+    def of_split(
+        cls,
+        manifest: ShardManifest,
+        data: DataConfig,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        train: bool,
+        seed: int,
+        partition: CanonicalPartition | None,
+        augment: AugmentConfig | None = None,
+        augment_group: int = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        record_ids: bool = False,
+        pin_device: torch.device | None = None,
+        decode_device: torch.device | None = None,
+    ) -> ShardLoader:
+        """The loader of a split already resolved, its data.* section whole: tpustream's trainer's.
+
+        Beyond the public loader: augment (training), whose draws each batch then
+        carries (augment.draws), augment_group one device's batch within it;
+        worker_init_fn for each worker; record_ids keeps each pass's real sample
+        ids (``sample_ids``, for debug.sample_log_dir) instead of a batch field;
+        pin_device, the GPU the batches go to (page-locked on the host);
+        decode_device, where data.decode=device decodes.
+        """
+        loader = cls.__new__(cls)
+        loader._set_up(
+            manifest,
+            data,
+            batch_size,
+            rank,
+            world_size,
+            train,
+            seed,
+            partition,
+            ids_in_batch=False,
+            augment=augment,
+            augment_group=augment_group,
+            worker_init_fn=worker_init_fn,
+            record_ids=record_ids,
+            pin_device=pin_device,
+            decode_device=decode_device,
+        )
+        return loader
+
+    def _set_up(
+        self,
+        manifest: ShardManifest,
+        data: DataConfig,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        train: bool,
+        seed: int,
+        partition: CanonicalPartition | None,
+        ids_in_batch: bool,
+        **pipeline: Any,
+    ) -> None:
+        self.manifest, self.data = manifest, data
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.train, self.seed, self.partition = train, seed, partition
+        self._ids_in_batch = ids_in_batch
+        self._pipeline = pipeline  # of_split's extras, for the stream and its DataLoader
         self.epoch = 0
         self.step = 0  # batches of this epoch already yielded (and so, for a state, trained on)
         self._stream: ShardStream | None = None
@@ -143,6 +214,7 @@ class ShardLoader:
     def _built(self) -> CountingLoader:
         """The pipeline for the current partition, made on first use (workers start with it)."""
         if self._loader is None:
+            extras = self._pipeline
             self._stream = ShardStream(
                 self.manifest,
                 self.data,
@@ -151,13 +223,36 @@ class ShardLoader:
                 world_size=self.world_size,
                 train=self.train,
                 seed=self.seed,
+                augment=extras.get("augment"),
+                augment_group=extras.get("augment_group", 0),
                 partition=self.partition,
             )
             self._loader = make_loader(
-                self._stream, self.data.num_workers, self.data.prefetch_factor, ids_in_batch=True
+                self._stream,
+                self.data.num_workers,
+                self.data.prefetch_factor,
+                worker_init_fn=extras.get("worker_init_fn"),
+                record_ids=extras.get("record_ids", False),
+                pin_device=extras.get("pin_device"),
+                decode_device=extras.get("decode_device"),
+                ids_in_batch=self._ids_in_batch,
             )
             self._loader.start_workers()
         return self._loader
+
+    def start(self) -> ShardLoader:
+        """Make the pipeline and start its workers now (otherwise the first pass does).
+
+        A process that takes stop signals (SIGTERM, Ctrl-C) for a save should start
+        them here, on its main thread: they start immune to both (data.read.loader).
+        """
+        self._built()
+        return self
+
+    @property
+    def layout(self) -> EpochLayout:
+        """The epoch's plan: steps, padded and dropped samples, the global batch."""
+        return self._layout()
 
     @property
     def steps(self) -> int:
@@ -177,34 +272,57 @@ class ShardLoader:
             self.manifest.split,
         )
 
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch the next pass reads; the same epoch again keeps the position within it."""
+    def set_epoch(self, epoch: int, skip_batches: int | None = None) -> None:
+        """The epoch the next pass reads, from its batch skip_batches on.
+
+        Without skip_batches the same epoch again keeps the position within it
+        (a state loaded mid-epoch), another one starts at its first batch.
+        """
         if epoch < 0:
             raise ConfigError(f"ShardLoader.set_epoch: epoch {epoch} is negative")
-        if epoch != self.epoch:
+        if skip_batches is not None:
+            self.epoch, self.step = epoch, skip_batches
+        elif epoch != self.epoch:
             self.epoch, self.step = epoch, 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The rest of the epoch's batches: image uint8 (B, C, H, W); label int64, real bool (B,), and
+        sample_id int64 (B,) in the public loader's; the augmentation's draws in the trainer's."""
         loader = self._built()
         loader.set_epoch(self.epoch, skip_batches=self.step)
-        planned = self.steps
         for batch in loader:
             self.step += 1
-            yield {
-                "image": batch["image"],
-                "label": batch["label"],
-                "real": batch["real"] > 0,
-                "sample_id": batch["sample_id"],
-            }
-        if self.step < planned:  # a worker's error is raised above: this is a pass that ended short
-            raise DataError(f"{self.manifest.split}: the pass ended at batch {self.step} of {planned}")
+            yield batch
+        # A worker's error is raised above: a pass that ends early is bad data or a lost reader.
+        loader.raise_if_incomplete(self.manifest.split)
         self.epoch, self.step = self.epoch + 1, 0
+
+    # What the trainer reads of the last pass (training.source.EpochSource): its
+    # places bad data left empty, its first shards with bad data, its real sample ids.
+    @property
+    def filled(self) -> int:
+        return self._loader.filled if self._loader is not None else 0
+
+    @property
+    def bad_shards(self) -> list[str]:
+        return self._loader.bad_shards if self._loader is not None else []
+
+    @property
+    def sample_ids(self) -> list[np.ndarray]:
+        return self._loader.sample_ids if self._loader is not None else []
+
+    @property
+    def waits(self) -> BatchWaits | None:
+        """The last pass's waits for batches, by whose lateness (observe.timing)."""
+        return self._loader.waits if self._loader is not None else None
+
+    def raise_if_incomplete(self, split: str) -> None:
+        """A DataError if the last pass yielded fewer batches than planned."""
+        self._built().raise_if_incomplete(split)
 
     def close(self) -> None:
         """Stop the workers (they also stop with this process)."""
-        if self._loader is not None:
-            close_loaders(self._loader)
-            self._loader = self._stream = None
+        close_shard_loaders(self)
 
     def __enter__(self) -> ShardLoader:
         return self
@@ -214,8 +332,15 @@ class ShardLoader:
 
     # ------------------------------------------------------------------ the position
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where the training order stands: small, JSON-serialisable, the same on every rank."""
+    def state_dict(self, position: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Where the training order stands: small, JSON-serialisable, the same on every rank.
+
+        position: (epoch, step) trained so far, for a consumer that reads ahead
+        of its training (tpustream's device loader); default the batches yielded.
+        Beside the position, what the order depends on (training.epoch_order's
+        keys): a checkpoint's data plan is this state.
+        """
+        epoch, step = (self.epoch, self.step) if position is None else position
         return {
             "format": STATE_FORMAT,
             "dataset": dataset_fingerprint(self.manifest),
@@ -224,11 +349,13 @@ class ShardLoader:
             "train": self.train,
             "seed": self.seed,
             "global_batch": self.batch_size * self.world_size,
-            "partition": self.partition.as_dict() if self.partition is not None else None,
+            **(self.partition.as_dict() if self.partition is not None else {}),
             "world_size": self.world_size,
+            "batch_size": self.batch_size,
             "num_workers": self.data.num_workers,
-            "epoch": self.epoch,
-            "step": self.step,
+            "steps_per_epoch": self.steps,
+            "epoch": int(epoch),
+            "step": int(step),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -238,8 +365,10 @@ class ShardLoader:
         global batches then follow, whatever the ranks and workers. Another
         dataset, seed or split is refused in one line naming it.
         """
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, FIRST_STATE_FORMAT):
             raise ConfigError(f"ShardLoader.load_state_dict: not a ShardLoader state ({STATE_FORMAT})")
+        if state["format"] == FIRST_STATE_FORMAT:  # its partition was a dict of its own
+            state = {**state, **(state["partition"] or {})}
         mine = self.state_dict()
         refused = "ShardLoader.load_state_dict:"
         if state["dataset"] != mine["dataset"]:
@@ -261,7 +390,7 @@ class ShardLoader:
                 if wanted % ranks == 0
                 else f"{refused} the state's global batch {wanted} does not split over {ranks} rank(s)"
             )
-        partition = CanonicalPartition.from_dict(state["partition"])
+        partition = CanonicalPartition.from_dict(state)
         if self.train:
             if partition is None:
                 same = (state["world_size"], state["num_workers"]) == (self.world_size, self.data.num_workers)
@@ -276,6 +405,13 @@ class ShardLoader:
                 self.close()  # the pipeline is made again for the state's partition
                 self.partition = partition
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+def close_shard_loaders(*loaders: ShardLoader) -> None:
+    """Stop the workers of every loader, all of them at once (made again if iterated after)."""
+    close_loaders(*(loader._loader for loader in loaders if loader._loader is not None))
+    for loader in loaders:
+        loader._loader = loader._stream = None
 
 
 # How long a rank other than 0 waits for rank 0's index of shards without a count.

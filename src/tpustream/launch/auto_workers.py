@@ -85,22 +85,21 @@ def measure_worker_rate(cfg: TrainConfig, train: ShardManifest, seconds: float =
 
     The first batch is left out: it fills the shuffle buffer and opens the first shard.
     """
-    from tpustream.data.read.stream import ShardStream
+    from tpustream.data import ShardLoader
 
-    data = dataclasses.replace(cfg.data, num_workers=0)
-    stream = ShardStream(
+    loader = ShardLoader.of_split(
         train,
-        data,
+        dataclasses.replace(cfg.data, num_workers=0),
         batch_size=cfg.batch_size,
         rank=0,
         world_size=1,
         train=True,
         seed=cfg.seed,
+        partition=None,
         augment=cfg.augment,
     )
-    stream.set_epoch(0)
     samples, start = 0, None
-    for batch in stream:
+    for batch in loader:
         if start is None:
             start = time.perf_counter()
             continue

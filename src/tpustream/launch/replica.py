@@ -82,18 +82,28 @@ def validation_data(cfg: TrainConfig) -> DataConfig:
     return cfg.data
 
 
-def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tuple[Any, Any]:
-    """This replica's (train, validation) ShardStreams, their plan logged by the master."""
+def shard_loaders(plan: RunPlan, runtime, replica_batch: int, partition) -> tuple[Any, Any]:
+    """This replica's (train, validation) ShardLoaders, workers started, their plan logged by the master.
+
+    Started here, on this main thread, immune to stop signals: started later
+    by the training loop's thread (validation's after the first epoch), a
+    SIGTERM or Ctrl-C to the process group while they import torch would kill
+    them and fail the replica before it saves.
+    """
+    from tpustream.data import ShardLoader
     from tpustream.data.read.partition import describe_balance, describe_partition
-    from tpustream.data.read.stream import ShardStream
 
     cfg = plan.cfg
     note = describe_sharing(len(plan.train.shards), runtime.world_size, cfg.data.num_workers, partition)
     if note and runtime.is_master:
         log.warning("train: %s", note)
+    # A GPU copies batches from page-locked memory asynchronously: the loader's
+    # one copy of each batch, out of the workers' shared slots, goes there.
+    device = getattr(runtime, "device", None)
+    pin = device if device is not None and device.type == "cuda" else None
 
-    def stream(manifest: ShardManifest, train: bool) -> ShardStream:
-        return ShardStream(
+    def loader(manifest: ShardManifest, train: bool) -> ShardLoader:
+        return ShardLoader.of_split(
             manifest,
             cfg.data if train else validation_data(cfg),
             batch_size=replica_batch,
@@ -101,14 +111,18 @@ def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tupl
             world_size=runtime.world_size,
             train=train,
             seed=cfg.seed,
-            augment=cfg.augment,
+            partition=partition if train else None,
+            augment=cfg.augment if train else None,
             augment_group=cfg.batch_size,  # one device's batch
-            partition=partition,
+            worker_init_fn=functools.partial(init_data_worker, runtime.rank, runtime.world_size),
+            record_ids=train and bool(cfg.debug.sample_log_dir),
+            pin_device=pin,
+            decode_device=device,  # data.decode=device (the native runtime's device)
         )
 
-    train_stream, val_stream = stream(plan.train, True), stream(plan.val, False)
+    train_loader, val_loader = loader(plan.train, True).start(), loader(plan.val, False).start()
     if runtime.is_master:
-        layout = train_stream.layout
+        layout = train_loader.layout
         log.info(
             "train: %d steps/epoch of %d x %d replica(s); %d padded, %d dropped samples per epoch; "
             "validation: %d steps, %d padded (masked)",
@@ -117,50 +131,14 @@ def shard_streams(plan: RunPlan, runtime, replica_batch: int, partition) -> tupl
             layout.world_size,
             layout.padded_samples,
             layout.dropped_samples,
-            val_stream.layout.steps,
-            val_stream.layout.padded_samples,
+            val_loader.layout.steps,
+            val_loader.layout.padded_samples,
         )
         if not cfg.eval_only:
             log.info("train order: %s", describe_partition(partition, layout.global_batch_size))
             uneven = describe_balance(partition, runtime.world_size, cfg.data.num_workers)
             if uneven:
                 log.warning("%s", uneven)
-    return train_stream, val_stream
-
-
-def start_loaders(cfg: TrainConfig, runtime, train_stream, val_stream) -> tuple[Any, Any]:
-    """The streams' (train, validation) loaders, their workers started."""
-    from tpustream.data.read.loader import make_loader
-
-    worker_init = functools.partial(init_data_worker, runtime.rank, runtime.world_size)
-    # A GPU copies batches from page-locked memory asynchronously: the loader's
-    # one copy of each batch, out of the workers' shared slots, goes there.
-    device = getattr(runtime, "device", None)
-    pin = device if device is not None and device.type == "cuda" else None
-    train_loader = make_loader(
-        train_stream,
-        cfg.data.num_workers,
-        cfg.data.prefetch_factor,
-        worker_init_fn=worker_init,
-        record_ids=bool(cfg.debug.sample_log_dir),
-        pin_device=pin,
-        decode_device=device,  # data.decode=device (the native runtime's device)
-    )
-    workers = val_stream.num_workers  # none where the run never evaluates (validation_data)
-    val_loader = make_loader(
-        val_stream,
-        workers,
-        cfg.data.prefetch_factor,
-        worker_init_fn=worker_init,
-        pin_device=pin,
-        decode_device=device,
-    )
-    # Both loaders' workers start here, on this main thread, immune to stop
-    # signals: started later by the training loop's thread (validation's after
-    # the first epoch), a SIGTERM or Ctrl-C to the process group while they
-    # import torch would kill them and fail the replica before it saves.
-    train_loader.start_workers()
-    val_loader.start_workers()
     return train_loader, val_loader
 
 
@@ -168,7 +146,7 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     """Build the data, model and trainer of one replica and train."""
     import torch
 
-    from tpustream.data.read.loader import close_loaders
+    from tpustream.data.shard_loader import close_shard_loaders
     from tpustream.observe import start_profiler
     from tpustream.observe.flops import training_flops_per_sample
     from tpustream.training import make_trainer
@@ -189,7 +167,6 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
     replica_batch = replica_batch_size(cfg, runtime.local_devices)
     synthetic = cfg.data.synthetic  # one batch on the device, no shards read (launch.synthetic)
     partition = None if cfg.eval_only or synthetic else plan.partition(runtime.world_size, replica_batch)
-    streams = None if synthetic else shard_streams(plan, runtime, replica_batch, partition)
     height, width = plan.train.image_size
     build = model_builder(cfg, plan.train)
     model = build()
@@ -211,10 +188,10 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
                 blocks,
                 cfg.model.name,
             )
-    if streams is None:
+    if synthetic:
         train_loader, val_loader = make_synthetic_sources(cfg, plan.train, runtime, replica_batch)
     else:
-        train_loader, val_loader = start_loaders(cfg, runtime, *streams)
+        train_loader, val_loader = shard_loaders(plan, runtime, replica_batch, partition)
     # Keep the server object alive for the whole run: torch_xla stops it when collected.
     profiler = start_profiler(cfg.debug.profiler_port, runtime.local_rank)
     try:
@@ -229,7 +206,6 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
             resume_from=resume_from,
             started_at=plan.started_at,
             model_flops=model_flops,
-            partition=partition.as_dict() if partition is not None else None,
             input_layout=InputLayout(
                 shards_per_replica=len(plan.train.shards) / runtime.world_size,
                 max_workers=partition.per_replica(runtime.world_size) if partition is not None else None,
@@ -239,8 +215,8 @@ def run_replica(plan: RunPlan, runtime) -> dict[str, Any]:
         del resume_from  # the checkpoint's tensors: the trainer has what it needs
         summary = trainer.fit()
     finally:
-        if streams is not None:
-            close_loaders(train_loader, val_loader)
+        if not synthetic:
+            close_shard_loaders(train_loader, val_loader)
         del profiler
     if runtime.is_master and not cfg.eval_only:  # an evaluation's summary has no history
         log_finished(cfg, summary["history"])

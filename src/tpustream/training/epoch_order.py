@@ -1,5 +1,10 @@
 """An epoch's training order as a checkpoint records it (its data plan), and how two differ, in words.
 
+A checkpoint's data plan is its training loader's state at the trained
+position (tpustream.data.ShardLoader.state_dict): beside the position, the
+keys below, which the order depends on. Checkpoints written before hold
+these keys alone.
+
 A position inside an epoch (step s) means "the samples of the order's first
 s steps are trained". Whether it holds for a resumed run depends on whether
 the two data plans give every step the same samples (``same_order``); where
@@ -14,6 +19,8 @@ from __future__ import annotations
 PER_READER_ORDER_KEYS = ("world_size", "batch_size", "num_workers", "steps_per_epoch", "seed")
 # What an epoch's order depends on under a canonical partition (data.read.layout).
 CANONICAL_ORDER_KEYS = ("global_batch", "streams", "stream_buffer", "steps_per_epoch", "seed")
+# Where one side has no partition: the per-reader order, and whether there is one.
+ORDER_KEYS = (*PER_READER_ORDER_KEYS, "streams")
 # A data plan's values in words (describe_change).
 PLAN_WORDS = {
     "world_size": "{} replica(s)",
@@ -27,38 +34,12 @@ PLAN_WORDS = {
 }
 
 
-def data_plan(
-    world_size: int,
-    replica_batch: int,
-    workers: int,
-    steps_per_epoch: int,
-    seed: int,
-    partition: dict[str, int] | None,
-) -> dict[str, int]:
-    """What a mid-epoch position depends on (under_data_plan): the shape, and the canonical partition.
-
-    Under a partition only the global batch, the steps, the seed and the
-    partition matter (same_order); the shape is kept to say what changed.
-    """
-    plan = {
-        "world_size": world_size,
-        "batch_size": replica_batch,
-        "num_workers": workers,
-        "steps_per_epoch": steps_per_epoch,
-        "seed": seed,
-    }
-    if partition is not None:
-        plan.update(partition, global_batch=replica_batch * world_size)
-    return plan
-
-
 def same_order(saved: dict[str, int] | None, current: dict[str, int]) -> bool:
     """Whether two data plans give every global step of an epoch the same samples."""
     if saved is None:
         return False
-    if saved.get("streams") and current.get("streams"):
-        return all(saved.get(key) == current.get(key) for key in CANONICAL_ORDER_KEYS)
-    return saved == current
+    keys = CANONICAL_ORDER_KEYS if saved.get("streams") and current.get("streams") else ORDER_KEYS
+    return all(saved.get(key) == current.get(key) for key in keys)
 
 
 def describe_shape(plan: dict[str, int] | None) -> str:

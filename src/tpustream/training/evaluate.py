@@ -60,7 +60,7 @@ class Evaluator:
         than 5 classes is top-(number of classes), so 100%.
         """
         model.eval()
-        self.loader.set_epoch(epoch)
+        self.loader.set_epoch(epoch, skip_batches=0)
         # Top-1 hits, top-5 hits and real samples in one accumulator: one
         # reduction and one read to the host for all three, and no graph of
         # their own after the loop (a torch.cat there compiled once more).

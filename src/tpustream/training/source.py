@@ -2,15 +2,15 @@
 
 The trainer sees a split only through this interface, never through the
 DataLoader or the dataset behind it, so the loop can be driven by any source
-of batches (``data.read.loader.CountingLoader`` in a run,
-``data.read.synthetic_batch.SyntheticSource`` under data.synthetic, in-memory
-batches in tests).
+of batches (``tpustream.data.ShardLoader`` in a run, the loader any training
+loop can use, ``data.read.synthetic_batch.SyntheticSource`` under
+data.synthetic, in-memory batches in tests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ class EpochSource(Protocol):
     """One replica's batches of one split, one epoch (or the rest of one) per pass.
 
     Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
-    float32 (B,)}, 1 for the samples that count in loss and metrics. A source
+    bool (B,)}, True for the samples that count in loss and metrics. A source
     whose batch stays on the device says so with ``resident = True`` and a
     ``place(move)`` method (data.read.synthetic_batch; runtime.resident).
     """
@@ -39,10 +39,14 @@ class EpochSource(Protocol):
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Select the epoch the next pass yields, from its batch skip_batches on (before iterating)."""
 
-    def __len__(self) -> int:
-        """Batches of the next pass (an epoch, or what is left of it when resuming)."""
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+
+    def state_dict(self, position: tuple[int, int]) -> dict[str, Any]:
+        """The order's state at (epoch, step) trained: a checkpoint's data plan (training.epoch_order).
+
+        What the order depends on, under training.epoch_order's keys, and the
+        position; a source of a run that never saves (data.synthetic) has none.
+        """
 
     def raise_if_incomplete(self, split: str) -> None:
         """Raise if the last pass yielded fewer batches than planned (the other replicas would wait)."""

@@ -31,7 +31,6 @@ from tpustream.runtime import Runtime
 from tpustream.training.debug import DebugChecks
 from tpustream.training.ema import WeightAverage, average_on_host, ema_metrics
 from tpustream.training.epoch_checks import check_epoch, first_distinct
-from tpustream.training.epoch_order import data_plan
 from tpustream.training.epoch_report import EpochRecord, EpochReporter, InputLayout, RateTracker
 from tpustream.training.evaluate import Evaluator
 from tpustream.training.normalize import Normalizer
@@ -86,11 +85,9 @@ class Trainer:
         resume_from: ResumeFrom | None = None,
         started_at: float | None = None,
         model_flops: int | None = None,
-        partition: dict[str, int] | None = None,
         input_layout: InputLayout | None = None,
     ):
         self.cfg = cfg
-        self.partition = partition  # the training order's (data.read.layout), for the data plan
         self.config_dict = config_dict
         self.runtime = runtime
         self.train_state = TrainState()
@@ -239,14 +236,9 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
 
     # -- state ------------------------------------------------------------
-    def data_plan(self) -> dict[str, int]:
-        """What a mid-epoch position depends on (epoch_order); an spmd host loads a batch per device."""
-        shape = (
-            self.runtime.world_size,
-            self.cfg.batch_size * self.runtime.local_devices,
-            self.cfg.data.num_workers,
-        )
-        return data_plan(*shape, self.steps_per_epoch, self.cfg.seed, self.partition)
+    def data_plan(self) -> dict[str, Any]:
+        """The training loader's state at the trained position: what a mid-epoch position depends on."""
+        return self.train_loader.state_dict((self.epoch, self.step))
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What last.pt and best.pt hold now (a collective)."""

@@ -345,7 +345,7 @@ def augment_batches(
                 writer.region(index)[...] = images
         fields = {
             "label": batch.labels,
-            "real": batch.real.astype(np.float32),
+            "real": batch.real,
             "sample_id": batch.sample_ids,
             "bad_shards": on_error.take_bad_shards() if on_error is not None else [],
         }

@@ -57,7 +57,7 @@ class ShardStream(IterableDataset):
     """One replica's batches of one split, for a DataLoader with batch_size=None.
 
     Each batch is {"image": uint8 (B, C, H, W), "label": int64 (B,), "real":
-    float32 (B,) 1 for samples that count in loss and metrics, "filled": the
+    bool (B,) True for samples that count in loss and metrics, "filled": the
     real samples bad data took out, never padding}.
 
     in_memory=True reads and decodes the whole split once, at construction,

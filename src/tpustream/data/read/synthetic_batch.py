@@ -50,7 +50,7 @@ def make_synthetic_batch(
     batch = {
         "image": torch.from_numpy(generator.integers(0, 256, shape, dtype=np.uint8)),
         "label": torch.from_numpy(generator.integers(0, num_classes, count, dtype=np.int64)),
-        "real": torch.ones(count, dtype=torch.float32),
+        "real": torch.ones(count, dtype=torch.bool),
     }
     if draws is not None:
         batch.update(draws(0, np.arange(rank * count, (rank + 1) * count)))
