@@ -337,7 +337,8 @@ def test_device_draws_are_the_whole_batchs_whichever_workers_send_its_pieces(une
     for whole, parts in zip(expected, zip(*pieces, strict=True), strict=True):
         joined = split.join(list(parts))
         assert whole.keys() == joined.keys() and "mix_lam" in joined
-        for key in whole.keys() - {"bad_shards", "filled"}:
+        assert whole["key"] == joined["key"]
+        for key in whole.keys() - {"bad_shards", "filled", "key"}:
             assert torch.equal(whole[key], joined[key]), key
     # The same through DataLoader workers, whose pieces meet in the replica's shared slots.
     loader = make_loader(split, 4)
@@ -348,7 +349,8 @@ def test_device_draws_are_the_whole_batchs_whichever_workers_send_its_pieces(une
     assert len(received) == len(expected)
     for whole, joined in zip(expected, received, strict=True):
         assert "mix_lam" in joined
-        for key in whole.keys() - {"bad_shards", "filled"}:
+        assert whole["key"] == joined["key"]
+        for key in whole.keys() - {"bad_shards", "filled", "key"}:
             assert torch.equal(whole[key], joined[key]), key
 
 
@@ -429,8 +431,9 @@ def assert_same_batches(
 ) -> None:
     assert len(actual) == len(expected)
     for a, b in zip(expected, actual, strict=True):
-        assert a.keys() == b.keys() == {"image", "label", "real", "filled", "sample_id", "bad_shards"}
-        for key in a.keys() - {"bad_shards"}:  # from memory, bad data was reported once, at loading
+        assert a.keys() == b.keys() == {"image", "label", "real", "filled", "sample_id", "key", "bad_shards"}
+        assert a["key"] == b["key"]
+        for key in a.keys() - {"bad_shards", "key"}:  # from memory, bad data was reported once, at loading
             assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 

@@ -106,11 +106,18 @@ def test_shards_stream_from_a_bucket(digits_bucket):
 def test_workers_change_the_speed_not_the_batches(digits_root):
     without = ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=0, seed=3)
     with ShardLoader(f"{digits_root}/{TRAIN}", batch_size=64, num_workers=2, seed=3) as workers:
-        got = [(b["sample_id"].numpy(), b["image"].numpy()) for b in workers]
-    want = [(b["sample_id"].numpy(), b["image"].numpy()) for b in without]
+        got = [(b["sample_id"].numpy(), b["image"].numpy(), b["key"]) for b in workers]
+    want = [(b["sample_id"].numpy(), b["image"].numpy(), b["key"]) for b in without]
     assert len(got) == len(want) == STEPS
-    for (ids, images), (want_ids, want_images) in zip(got, want, strict=True):
-        assert np.array_equal(ids, want_ids) and np.array_equal(images, want_images)
+    for (ids, images, keys), (want_ids, want_images, want_keys) in zip(got, want, strict=True):
+        assert np.array_equal(ids, want_ids) and np.array_equal(images, want_images) and keys == want_keys
+    # Each sample's __key__ (the digits' are its number, 00000768 ..), the same for its every place.
+    key_of = {}
+    for ids, _, keys in got:
+        assert len(keys) == len(ids)
+        for sample_id, key in zip(ids.tolist(), keys, strict=True):
+            assert key_of.setdefault(sample_id, key) == key and len(key) == 8 and key.isdigit()
+    assert len(set(key_of.values())) == len(key_of) == TRAIN_SAMPLES
 
 
 def test_a_validation_split_is_read_once_in_order_across_the_ranks(digits_root):

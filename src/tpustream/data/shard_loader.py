@@ -5,7 +5,7 @@
     loader = ShardLoader("gs://bucket/imagenet/train", batch_size=256, image_size=224, num_workers=8)
     for epoch in range(loader.epoch, epochs):
         loader.set_epoch(epoch)
-        for batch in loader:  # image uint8 (B, C, H, W); label, sample_id int64 (B,); real bool (B,)
+        for batch in loader:  # image uint8 (B, C, H, W); label, sample_id int64, real bool (B,); key: str x B
             ...
         state = loader.state_dict()  # JSON-serialisable, a few hundred bytes: keep it in the checkpoint
     loader.load_state_dict(state)  # on any rank and number of ranks: the same global batches go on
@@ -286,8 +286,9 @@ class ShardLoader:
             self.epoch, self.step = epoch, 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """The rest of the epoch's batches: image uint8 (B, C, H, W); label int64, real bool (B,), and
-        sample_id int64 (B,) in the public loader's; the augmentation's draws in the trainer's."""
+        """The rest of the epoch's batches: image uint8 (B, C, H, W); label int64, real bool (B,);
+        in the public loader's, sample_id int64 (B,) and key (the samples' __key__, a list); in
+        the trainer's, the augmentation's draws."""
         loader = self._built()
         loader.set_epoch(self.epoch, skip_batches=self.step)
         for batch in loader:

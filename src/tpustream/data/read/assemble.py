@@ -160,7 +160,7 @@ class SlotWriter:
 def join_batches(parts: list[dict]) -> dict:
     """Consecutive parts of one batch (canonical streams' chunks, workers' pieces) as one batch.
 
-    Tensors and arrays are concatenated in order, "filled" summed,
+    Tensors, arrays and "key" lists are concatenated in order, "filled" summed,
     "made" the latest, "bad_shards" merged; parts written into a slot name the same one. One
     part is returned as it is.
     """
@@ -174,6 +174,8 @@ def join_batches(parts: list[dict]) -> dict:
             joined[name] = max(part[name] for part in parts)
         elif name == "bad_shards":
             joined[name] = list(dict.fromkeys(url for part in parts for url in part[name]))
+        elif name == "key":
+            joined[name] = [key for part in parts for key in part[name]]
         elif name == "slot":
             assert all(part[name] == first for part in parts), "parts of different batches"
             joined[name] = first

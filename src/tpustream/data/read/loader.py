@@ -58,15 +58,15 @@ class CountingLoader:
     """Iterates a DataLoader, taking the host-only fields out of each batch.
 
     'filled' is summed per epoch; 'sample_id' is kept (for the real samples)
-    when record_ids is set, for exactness audits, and stays in each batch with
-    ids_in_batch (tpustream.data.ShardLoader's batches carry it). A worker's exception comes
-    out as our own one-line error (DataLoader wraps it in a "Caught X in
-    DataLoader worker" text with the worker traceback). The trainer calls
-    ``raise_if_incomplete`` after each loop as a last line of defence: a
-    replica that ran fewer steps than planned would leave the others waiting
-    in an all-reduce.
+    when record_ids is set, for exactness audits, and stays in each batch, with
+    the samples' 'key', with ids_in_batch (tpustream.data.ShardLoader's
+    batches carry them). A worker's exception comes out as our own one-line
+    error (DataLoader wraps it in a "Caught X in DataLoader worker" text with
+    the worker traceback). ``raise_if_incomplete`` is called after each pass as
+    a last line of defence: a replica that ran fewer steps than planned would
+    leave the others waiting in an all-reduce.
 
-    It is the trainer's ``training.source.EpochSource``.
+    tpustream.data.ShardLoader drives it.
     """
 
     def __init__(
@@ -122,6 +122,8 @@ class CountingLoader:
                     if len(self.bad_shards) < MAX_BAD_SHARDS and url not in self.bad_shards:
                         self.bad_shards.append(url)
                 ids = batch["sample_id"] if self.ids_in_batch else batch.pop("sample_id")
+                if not self.ids_in_batch:
+                    batch.pop("key", None)
                 if self.record_ids:
                     self.sample_ids.append(ids[batch["real"] > 0].numpy())
                 self.batches += 1

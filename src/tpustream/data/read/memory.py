@@ -50,6 +50,9 @@ class SplitMemory:
     # Samples each shard's reader delivered before it ended: its listed count,
     # or fewer when it is truncated or corrupt.
     delivered: list[int]
+    # Each row's __key__: a list each worker gets a copy of (tens of bytes a
+    # sample, beside the image's thousands).
+    keys: list[str]
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +91,7 @@ def load_split_memory(manifest: ShardManifest, decoder: ImageDecoder, on_error: 
     images = share_tensor(torch.empty((listed, *decoder.shape), dtype=torch.uint8), manifest.split)
     image_rows = images.numpy()
     count = 0
+    keys: list[str] = []
     spans = [SampleSpan(shard.url, 0, shard.samples) for shard in manifest.shards]
     for sample in read_span_samples(spans, on_error, shard_index, [s.samples for s in manifest.shards]):
         shard, index = sample["__id__"] >> SHARD_ID_SHIFT, sample["__index__"]
@@ -99,6 +103,7 @@ def load_split_memory(manifest: ShardManifest, decoder: ImageDecoder, on_error: 
             on_error(sample["__url__"], sample["__key__"], str(exc))
             continue
         rows[shard_starts[shard] + index] = count
+        keys.append(sample["__key__"])
         count += 1
     if count < listed:
         images = share_tensor(images[:count].clone(), manifest.split)
@@ -108,6 +113,7 @@ def load_split_memory(manifest: ShardManifest, decoder: ImageDecoder, on_error: 
         share_tensor(torch.from_numpy(rows), manifest.split),
         shard_starts,
         delivered,
+        keys,
     )
     log.info(
         "%s split in memory: %d of %d listed samples, %.1f MB shared, loaded in %.2f s",
@@ -157,6 +163,8 @@ def take_memory_samples(
     labels = memory.labels.numpy()
     for ref in refs:
         if ref.row >= 0:
-            yield DecodedSample(images[ref.row], int(labels[ref.row]), ref.real, ref.sample_id)
+            yield DecodedSample(
+                images[ref.row], int(labels[ref.row]), ref.real, ref.sample_id, memory.keys[ref.row]
+            )
         elif ref.real:
             on_error.count_lost()

@@ -110,6 +110,7 @@ class DecodedSample:
     label: int
     real: bool  # False for the wrap-around padding of the last global batch
     sample_id: int = -1
+    key: str = ""  # its __key__ in the shard
 
 
 def read_span_samples(
@@ -237,7 +238,8 @@ def decode_samples(
                 on_error(sample["__url__"], sample["__key__"], str(exc))
                 on_error.count_lost()
             continue
-        yield DecodedSample(image, label, not sample["__padding__"], sample.get("__id__", -1))
+        real, sample_id = not sample["__padding__"], sample.get("__id__", -1)
+        yield DecodedSample(image, label, real, sample_id, sample["__key__"])
 
 
 @dataclass
@@ -250,6 +252,7 @@ class Batch:
     # samples of the split read in the pass.
     filled: int
     sample_ids: np.ndarray  # int64 (B,), -1 for places filled after bad data
+    keys: list[str]  # the samples' __key__, "" for places filled after bad data
 
 
 def batch_samples(
@@ -275,6 +278,7 @@ def batch_samples(
     labels = np.empty(batch_size, np.int64)
     real = np.empty(batch_size, bool)
     ids = np.empty(batch_size, np.int64)
+    keys = [""] * batch_size
     source = iter(samples)
     reserve: Batch | None = None
     for index in range(num_batches):
@@ -292,6 +296,7 @@ def batch_samples(
             labels[count] = sample.label
             real[count] = sample.real
             ids[count] = sample.sample_id
+            keys[count] = sample.key
             count += 1
             if count == batch_size:
                 break
@@ -304,14 +309,15 @@ def batch_samples(
                 donor = (
                     reserve
                     if reserve is not None
-                    else Batch(images[:count].copy(), labels[:count].copy(), real, 0, ids)
+                    else Batch(images[:count].copy(), labels[:count].copy(), real, 0, ids, keys)
                 )
                 take = np.arange(missing) % len(donor.labels)
                 images[count:] = donor.images[take]
                 labels[count:] = donor.labels[take]
             real[count:] = False
             ids[count:] = -1
-        batch = Batch(images, labels.copy(), real.copy(), on_error.take_lost(), ids.copy())
+            keys[count:] = [""] * missing
+        batch = Batch(images, labels.copy(), real.copy(), on_error.take_lost(), ids.copy(), keys.copy())
         reserve = batch
         yield batch
 
@@ -347,6 +353,7 @@ def augment_batches(
             "label": batch.labels,
             "real": batch.real,
             "sample_id": batch.sample_ids,
+            "key": batch.keys,
             "bad_shards": on_error.take_bad_shards() if on_error is not None else [],
         }
         if writer is not None:
@@ -359,6 +366,7 @@ def augment_batches(
             "real": torch.from_numpy(fields["real"]),
             "filled": torch.tensor(batch.filled, dtype=torch.int64),
             "sample_id": torch.from_numpy(fields["sample_id"]),
+            "key": fields["key"],
             "bad_shards": fields["bad_shards"],
         }
 

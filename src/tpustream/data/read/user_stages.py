@@ -63,6 +63,7 @@ def apply_user_stages(
                 "label": sample.label,
                 "__real__": sample.real,
                 "__id__": sample.sample_id,
+                "__key__": sample.key,
             }
 
     stream: Iterable[dict] = as_dicts()
@@ -96,7 +97,7 @@ def apply_user_stages(
                     on_error(f"data.stages {list(paths)}", None, str(exc))
                 on_error.count_lost()
             continue
-        yield DecodedSample(image, label, real, sample_id)
+        yield DecodedSample(image, label, real, sample_id, str(item.get("__key__", "")))
     # Only reached when the stream fell short of the plan, which dropped samples make it.
     on_error.count_lost(max(0, given_real - accounted_real))
 
