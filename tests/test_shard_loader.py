@@ -7,6 +7,7 @@ torchrun, where rank and world size come from torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tpustream.config import LastBatch
 from tpustream.data import ShardLoader
 from tpustream.errors import ConfigError
 
@@ -130,6 +132,11 @@ def test_a_validation_split_is_read_once_in_order_across_the_ranks(digits_root):
     real = np.concatenate([ids[mask] for ids, mask in steps])
     assert sorted(real.tolist()) == sorted(set(real.tolist())) and len(real) == 359
     assert "streams" not in ranks[0].state_dict()  # no canonical partition: read in order
+    # train.py's validation loader, whose data section drops training's last batch, pads all the same.
+    manifest, dropping = ranks[0].manifest, dataclasses.replace(ranks[0].data, last_batch=LastBatch.drop)
+    plan = dict(batch_size=50, rank=0, world_size=3, seed=0, partition=None)
+    assert ShardLoader.of_split(manifest, dropping, train=False, **plan).steps == 3
+    assert ShardLoader.of_split(manifest, dropping, train=True, **plan).steps == 2  # floor(359 / 150)
 
 
 @pytest.mark.parametrize(

@@ -38,10 +38,10 @@ import torch
 
 from tpustream.config import AugmentConfig, DataConfig, LastBatch, OnError, TrainCrop
 from tpustream.data.format.manifest import ShardManifest
-from tpustream.data.read.layout import CanonicalPartition, EpochLayout, plan_layout
+from tpustream.data.read.layout import CanonicalPartition, EpochLayout
 from tpustream.data.read.loader import CountingLoader, close_loaders, make_loader
 from tpustream.data.read.partition import choose_partition
-from tpustream.data.read.stream import ShardStream
+from tpustream.data.read.stream import ShardStream, epoch_layout
 from tpustream.data.resolve.options import SplitOptions
 from tpustream.data.resolve.split import load_split, load_split_counted_elsewhere
 from tpustream.errors import ConfigError
@@ -263,14 +263,8 @@ class ShardLoader:
         return self.steps
 
     def _layout(self) -> EpochLayout:
-        """The epoch's plan as the stream makes it, from the same data section."""
-        return plan_layout(
-            self.manifest.num_samples,
-            self.batch_size,
-            self.world_size,
-            LastBatch(self.data.last_batch),
-            self.manifest.split,
-        )
+        """The epoch's plan, as the stream makes it."""
+        return epoch_layout(self.manifest, self.data, self.batch_size, self.world_size, self.train)
 
     def set_epoch(self, epoch: int, skip_batches: int | None = None) -> None:
         """The epoch the next pass reads, from its batch skip_batches on.

@@ -53,6 +53,15 @@ from tpustream.observe.timing import stamp_made
 STREAM_SALT = 0x5354524D  # "STRM"
 
 
+def epoch_layout(
+    manifest: ShardManifest, data: DataConfig, batch_size: int, world_size: int, train: bool
+) -> EpochLayout:
+    """A split's epoch plan for this many replicas of batch_size: training's by data.last_batch."""
+    # Validation always pads and masks so it covers every sample once.
+    last_batch = LastBatch(data.last_batch) if train else LastBatch.pad
+    return plan_layout(manifest.num_samples, batch_size, world_size, last_batch, manifest.split)
+
+
 class ShardStream(IterableDataset):
     """One replica's batches of one split, for a DataLoader with batch_size=None.
 
@@ -126,14 +135,7 @@ class ShardStream(IterableDataset):
         if train and augment is not None and augment.active():
             channels, out_height, out_width = self.decoder.shape
             self.draws = BatchDraws(augment, (out_height, out_width), channels, self.group, seed)
-        # Validation always pads and masks so it covers every sample once.
-        self.layout: EpochLayout = plan_layout(
-            manifest.num_samples,
-            batch_size,
-            world_size,
-            LastBatch(data.last_batch) if train else LastBatch.pad,
-            manifest.split,
-        )
+        self.layout: EpochLayout = epoch_layout(manifest, data, batch_size, world_size, train)
         self.partition = partition if train else None
         if self.partition is not None:
             self.partition.check_shape(world_size, batch_size, self.num_workers)
