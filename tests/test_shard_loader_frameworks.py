@@ -81,6 +81,7 @@ def test_an_accelerate_loop_keeps_the_loader_in_its_saved_state(digits_root, tmp
     monkeypatch.setenv("USE_TORCH_XLA", "0")
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import send_to_device
 
     def run(steps: int, state: str | None = None, save: str | None = None) -> list[list[int]]:
         # Each run as in a process of its own, as accelerate's tests do it (its state is a singleton).
@@ -97,7 +98,7 @@ def test_an_accelerate_loop_keeps_the_loader_in_its_saved_state(digits_root, tmp
         seen = []
         for batch in loader:
             seen.append(batch["sample_id"].tolist())
-            loss = model.loss({k: v.to(accelerator.device) for k, v in batch.items()})
+            loss = model.loss(send_to_device(batch, accelerator.device))  # tensors moved, "key" kept
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

@@ -292,18 +292,19 @@ class ShardLoader:
         loader.raise_if_incomplete(self.manifest.split)
         self.epoch, self.step = self.epoch + 1, 0
 
-    # What the trainer reads of the last pass (training.source.EpochSource): its
-    # places bad data left empty, its first shards with bad data, its real sample ids.
     @property
     def filled(self) -> int:
+        """Places of the last pass that bad data left empty (on_error="skip"), filled with padding."""
         return self._loader.filled if self._loader is not None else 0
 
     @property
     def bad_shards(self) -> list[str]:
+        """The last pass's first shards with bad data (a few)."""
         return self._loader.bad_shards if self._loader is not None else []
 
     @property
     def sample_ids(self) -> list[np.ndarray]:
+        """The last pass's real sample ids, a batch each (kept only with of_split's record_ids)."""
         return self._loader.sample_ids if self._loader is not None else []
 
     @property
