@@ -379,13 +379,24 @@ def test_an_unpickled_decoder_registers_torchvisions_ops_itself():
         "import pickle, sys\n"
         "decoder, sample = pickle.loads(sys.stdin.buffer.read())\n"
         "image, label = decoder(sample)\n"
-        "print(tuple(image.shape), label, decoder._routes['jpg'])\n"
+        "print(tuple(image.shape), label, decoder._routes['jpg'], 'torchvision' in sys.modules)\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], input=payload, capture_output=True, cwd=REPO, timeout=120
     )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
-    assert result.stdout.decode().split() == ["(3,", f"{HEIGHT},", f"{WIDTH})", "2", "torchvision"]
+    # Its image library only: torchvision's import (torch._dynamo, ~3 s) is not a worker's to pay.
+    words = ["(3,", f"{HEIGHT},", f"{WIDTH})", "2", "torchvision", "False"]
+    assert result.stdout.decode().split() == words
+
+
+def test_the_read_modes_are_torchvisions():
+    from torchvision.io import ImageReadMode
+
+    from tpustream.data.format.decode import READ_GRAY, READ_RGB, READ_UNCHANGED
+
+    modes = (ImageReadMode.UNCHANGED.value, ImageReadMode.GRAY.value, ImageReadMode.RGB.value)
+    assert modes == (READ_UNCHANGED, READ_GRAY, READ_RGB)
 
 
 @pytest.mark.parametrize("mode, field", [("RGB", "ppm"), ("L", "pgm")])

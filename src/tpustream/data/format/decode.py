@@ -10,10 +10,14 @@ needs no decode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import importlib.util
 import io
 import json
 import operator
+import os
 import re
 from collections.abc import Mapping
 
@@ -154,22 +158,40 @@ def _route_image(field_name: str, channels: int) -> str:
     return _PIL
 
 
-def _read_modes():
-    """torchvision.io's ImageReadMode, imported when first needed, which registers torch.ops.image.
+# torchvision.io.ImageReadMode's values, the ops' mode argument (tests/test_decode.py checks them).
+READ_UNCHANGED, READ_GRAY, READ_RGB = 0, 1, 3
 
-    Not at module import: torchvision's import pulls in torch._dynamo (about
-    3 s), and train.py imports this module to plan a run that may decode nothing.
+
+@functools.cache
+def register_image_ops() -> None:
+    """Register torch.ops.image (torchvision's image codecs) in this process, once.
+
+    From torchvision's image library directly: `import torchvision.io` runs
+    torchvision's __init__, which imports torch._dynamo, about 3 s of a fresh
+    process on a 2-core VM (torchvision 0.24), paid by every loader's process
+    and its workers' fork server before a first batch; the library alone
+    loads in milliseconds. Loading it again (torchvision's own import, later)
+    is a no-op. Where it is not where torchvision keeps it, the import does it.
+    Not at module import: train.py imports this module to plan a run that may
+    decode nothing.
     """
-    import torchvision.io
-
-    return torchvision.io.ImageReadMode
+    if hasattr(torch.ops.image, "decode_image"):
+        return
+    spec = importlib.util.find_spec("torchvision")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        library = os.path.join(folder, "image.so")
+        if os.path.exists(library):
+            with contextlib.suppress(OSError):
+                torch.ops.load_library(library)
+                return
+    import torchvision.io  # noqa: F401  (registers the ops)
 
 
 def _decode_fast_unchanged(data: bytes) -> torch.Tensor:
     """(C, H, W) tensor as stored (uint8, or uint16 for 16-bit PNG); RuntimeError/ValueError if it cannot."""
-    unchanged = _read_modes().UNCHANGED.value
+    register_image_ops()
     return torch.ops.image.decode_image(
-        torch.frombuffer(bytearray(data), dtype=torch.uint8), unchanged, False
+        torch.frombuffer(bytearray(data), dtype=torch.uint8), READ_UNCHANGED, False
     )
 
 
@@ -230,18 +252,17 @@ class ImageDecoder:
         object.__setattr__(self, "_label_field", label_field)
         object.__setattr__(self, "_label_path", label_path)
         if self.fast:
-            modes = _read_modes()
-            mode = modes.RGB if self.channels == 3 else modes.GRAY
-            object.__setattr__(self, "_read_mode", mode.value)
+            register_image_ops()
+            object.__setattr__(self, "_read_mode", READ_RGB if self.channels == 3 else READ_GRAY)
 
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a DataLoader worker, __post_init__ does not run: the
-        # op torchvision.io registers must be imported here, not left to the
-        # fork server's preload (a server some other code started first, in
-        # the same process, has none; seen in CI).
+        # ops are registered here, not left to the fork server's preload (a
+        # server some other code started first, in the same process, has
+        # none; seen in CI).
         self.__dict__.update(state)
         if self.fast:
-            _read_modes()
+            register_image_ops()
 
     def _route(self, field: str) -> str:
         route = _route_image(field, self.channels)
