@@ -133,6 +133,9 @@ def test_a_failing_replica_stops_the_whole_pod(digits_bucket, tmp_path):
     assert f"{shard}: no such object (404)" in output
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and f"replica {reader}: {shard}" in errors[0]
+    # The other replica, left alone in the all-reduce, says so in a line: no traceback of a bug.
+    assert f"replica {1 - reader} stopped: another replica left the collective" in result.stderr
+    assert "Traceback" not in output
 
 
 def sample_log_steps(folder: Path, pass_name: str, replicas: int, batch: int) -> np.ndarray:

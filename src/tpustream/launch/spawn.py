@@ -25,6 +25,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -182,9 +183,16 @@ def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable
         if world > 1:
             log.error("replica %d failed: %s", rank, exc)
         raise
-    except BaseException:
-        # A bug, not bad input: keep the traceback, the parent only sees the type.
-        log.error("replica %d failed:\n%s", rank, traceback.format_exc())
+    except BaseException as exc:
+        if world > 1 and peer_left(exc):
+            # Not this replica's fault: a peer ended (its own error says why) while this one
+            # waited for it in a collective. One line; the parent reports the first failure.
+            log.warning("replica %d stopped: another replica left the collective (%s)", rank, exc)
+            # The parent reports the first replica it sees fail: let that be the one that left.
+            time.sleep(PEER_GRACE_SECONDS)
+        else:
+            # A bug, not bad input: keep the traceback, the parent only sees the type.
+            log.error("replica %d failed:\n%s", rank, traceback.format_exc())
         raise
     finally:
         progress.beat("the replica is closing")
@@ -194,6 +202,17 @@ def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable
             skip_final_collection()
         else:
             stop_watchdog(watchdog)  # train.py goes on (a multirun's next job starts its own)
+
+
+# What gloo's TCP transport says when the replica at the other end of a collective is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+# How long a replica whose peer left waits before it ends too (the peer's end is then seen first).
+PEER_GRACE_SECONDS = 2.0
+
+
+def peer_left(exc: BaseException) -> bool:
+    """Whether exc is a collective that broke because another replica's process ended."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in PEER_GONE)
 
 
 def replica_watchdog(plan: RunPlan, rank: int) -> Watchdog:
