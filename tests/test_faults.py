@@ -72,7 +72,7 @@ def test_gcs_vanishing_before_the_final_upload_keeps_the_checkpoint_locally(
         "accelerator=cpu_eager",  # storage is this test's subject, not XLA
         f"hydra.run.dir={hydra_dir}",
     )
-    env = {**os.environ, "TPUSTREAM_GCS_RETRY_SECONDS": "3"}
+    env = {**os.environ, "TPUSTREAM_GCS_RETRY_SECONDS": "1"}
     process = popen_train(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output = []
     for line in process.stdout:
