@@ -228,7 +228,26 @@ def mosaic_dataset_class() -> type:
     return CroppedImages
 
 
-class MosaicReader(Reader):
+class StatefulLoaderReader(Reader):
+    """A reader over a DataLoader with torch's state_dict / load_state_dict, whose batches are
+    {"image", "index"} (Mosaic's StreamingDataLoader, torchdata's StatefulDataLoader)."""
+
+    loader: Any  # set by the subclass's __init__
+
+    def start(self, state: Any = None) -> None:
+        if state is not None:
+            self.loader.load_state_dict(state)
+        self.batches = iter(self.loader)
+
+    def next_batch(self) -> tuple[int, np.ndarray]:
+        batch = next(self.batches)
+        return counted(batch["image"]), batch["index"].numpy()
+
+    def state(self) -> Any:
+        return self.loader.state_dict()
+
+
+class MosaicReader(StatefulLoaderReader):
     """Mosaic streaming reads rank and world from the environment and its workers of all ranks on a
     node meet at shared-memory barriers: a rank is a process of its own, started with RANK,
     WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE set (bench.loaders.task), all ranks at once."""
@@ -250,18 +269,6 @@ class MosaicReader(Reader):
         self.loader = StreamingDataLoader(
             self.dataset, batch_size=place.batch_size, num_workers=place.workers
         )
-
-    def start(self, state: Any = None) -> None:
-        if state is not None:
-            self.loader.load_state_dict(state)
-        self.batches = iter(self.loader)
-
-    def next_batch(self) -> tuple[int, np.ndarray]:
-        batch = next(self.batches)
-        return counted(batch["image"]), batch["index"].numpy()
-
-    def state(self) -> Any:
-        return self.loader.state_dict()
 
     def close(self) -> None:
         self.loader = self.dataset = None
@@ -291,7 +298,7 @@ class JpegFiles(torch.utils.data.Dataset):
         return {"image": self.crop(self.data.jpeg_path(index).read_bytes()), "index": index}
 
 
-class TorchdataReader(Reader):
+class TorchdataReader(StatefulLoaderReader):
     name = "torchdata"
     modules = ("torchdata.stateful_dataloader", "torchdata.stateful_dataloader.sampler")
 
@@ -307,18 +314,6 @@ class TorchdataReader(Reader):
         self.loader = StatefulDataLoader(
             dataset, batch_size=place.batch_size, sampler=sampler, num_workers=place.workers
         )
-
-    def start(self, state: Any = None) -> None:
-        if state is not None:
-            self.loader.load_state_dict(state)
-        self.batches = iter(self.loader)
-
-    def next_batch(self) -> tuple[int, np.ndarray]:
-        batch = next(self.batches)
-        return counted(batch["image"]), batch["index"].numpy()
-
-    def state(self) -> Any:
-        return self.loader.state_dict()
 
 
 class JpegFileSource:
