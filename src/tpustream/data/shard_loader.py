@@ -136,7 +136,9 @@ class ShardLoader:
             if train
             else None
         )
-        self._set_up(manifest, data, batch_size, rank, world_size, train, seed, partition, ids_in_batch=True)
+        self._set_up(
+            manifest, data, batch_size, rank, world_size, train, seed, partition, {}, {"ids_in_batch": True}
+        )
 
     @classmethod
     def of_split(
@@ -167,6 +169,13 @@ class ShardLoader:
         decode_device, where data.decode=device decodes.
         """
         loader = cls.__new__(cls)
+        stream_options = {"augment": augment, "augment_group": augment_group}
+        loader_options = {
+            "worker_init_fn": worker_init_fn,
+            "record_ids": record_ids,
+            "pin_device": pin_device,
+            "decode_device": decode_device,
+        }
         loader._set_up(
             manifest,
             data,
@@ -176,13 +185,8 @@ class ShardLoader:
             train,
             seed,
             partition,
-            ids_in_batch=False,
-            augment=augment,
-            augment_group=augment_group,
-            worker_init_fn=worker_init_fn,
-            record_ids=record_ids,
-            pin_device=pin_device,
-            decode_device=decode_device,
+            stream_options,
+            loader_options,
         )
         return loader
 
@@ -196,14 +200,14 @@ class ShardLoader:
         train: bool,
         seed: int,
         partition: CanonicalPartition | None,
-        ids_in_batch: bool,
-        **pipeline: Any,
+        stream_options: dict[str, Any],
+        loader_options: dict[str, Any],
     ) -> None:
         self.manifest, self.data = manifest, data
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.train, self.seed, self.partition = train, seed, partition
-        self._ids_in_batch = ids_in_batch
-        self._pipeline = pipeline  # of_split's extras, for the stream and its DataLoader
+        # What else ShardStream and make_loader are given (of_split's extras, the public ids).
+        self._stream_options, self._loader_options = stream_options, loader_options
         self.epoch = 0
         self.step = 0  # batches of this epoch already yielded (and so, for a state, trained on)
         self._stream: ShardStream | None = None
@@ -214,7 +218,6 @@ class ShardLoader:
     def _built(self) -> CountingLoader:
         """The pipeline for the current partition, made on first use (workers start with it)."""
         if self._loader is None:
-            extras = self._pipeline
             self._stream = ShardStream(
                 self.manifest,
                 self.data,
@@ -223,19 +226,11 @@ class ShardLoader:
                 world_size=self.world_size,
                 train=self.train,
                 seed=self.seed,
-                augment=extras.get("augment"),
-                augment_group=extras.get("augment_group", 0),
                 partition=self.partition,
+                **self._stream_options,
             )
             self._loader = make_loader(
-                self._stream,
-                self.data.num_workers,
-                self.data.prefetch_factor,
-                worker_init_fn=extras.get("worker_init_fn"),
-                record_ids=extras.get("record_ids", False),
-                pin_device=extras.get("pin_device"),
-                decode_device=extras.get("decode_device"),
-                ids_in_batch=self._ids_in_batch,
+                self._stream, self.data.num_workers, self.data.prefetch_factor, **self._loader_options
             )
             self._loader.start_workers()
         return self._loader
