@@ -209,8 +209,10 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     # rank and world size: torch.distributed's
     loader = ShardLoader(sys.argv[1], batch_size=32, num_workers=0, seed=3)
     ids = [b["sample_id"][b["real"]].tolist() for b in loader]
-    print(json.dumps({"rank": loader.rank, "world": loader.world_size, "steps": len(ids),
-                      "ids": sum(ids, [])}), flush=True)
+    # A file per rank: two ranks' long lines on one stdout pipe can interleave (seen once).
+    with open(f"{sys.argv[2]}/rank{loader.rank}.json", "w") as report:
+        report.write(json.dumps({"rank": loader.rank, "world": loader.world_size, "steps": len(ids),
+                                 "ids": sum(ids, [])}))
     dist.destroy_process_group()
     """
 )
@@ -221,10 +223,10 @@ def test_under_torchrun_the_ranks_come_from_torch_distributed(digits_root, tmp_p
     script = tmp_path / "loop.py"
     script.write_text(TORCHRUN_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    command += [str(script), f"{digits_root}/{TRAIN}"]
+    command += [str(script), f"{digits_root}/{TRAIN}", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted((r["rank"], r["world"], r["steps"]) for r in reports) == [(0, 2, STEPS), (1, 2, STEPS)]
     counts = Counter(i for r in reports for i in r["ids"])
     assert len(counts) == TRAIN_SAMPLES and set(counts.values()) == {1}
