@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, run_train, train_command
+from tests.conftest import free_port, popen_train, run_train, train_command
 from tpustream import storage
 from tpustream.checkpoint import load_checkpoint, read_metrics
 from tpustream.storage import gcs
@@ -183,7 +183,7 @@ def test_replicas_do_not_outlive_a_killed_train_py(digits_root, tmp_path):
     command = train_command(
         f"data.root={digits_root}", f"output_dir={tmp_path}/run", "epochs=50", f"hydra.run.dir={tmp_path}/h"
     )
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    process = popen_train(command, stderr=subprocess.PIPE)
     replica = None
     for line in process.stderr:
         if match := re.search(r"replica 0 of 1 on xla:0 \(pid (\d+)\)", line):

@@ -205,7 +205,7 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> None:
+def exit_with_parent(poll_seconds: float = 0.5, parent: int | None = None) -> None:
     """Stop this process if the process that started it (or `parent`) dies.
 
     A replica is the child of train.py (xmp.spawn, or the simulated pod). If
@@ -217,6 +217,11 @@ def exit_with_parent(poll_seconds: float = 2.0, parent: int | None = None) -> No
     """
     import os
 
+    # Polled, not PR_SET_PDEATHSIG: that signal follows the parent *thread*
+    # that forked, and xmp.spawn's pool forks from a thread that may end first.
+    # A getppid() every half second costs nothing, and a replica that holds
+    # accelerators lets go of them within a second of train.py's death (a
+    # replica and then its workers: two polls).
     # A child that starts slowly may find its parent already gone and adopted
     # by init; so callers that know the parent's pid pass it instead of
     # trusting getppid() at start. A DataLoader worker's parent is the
