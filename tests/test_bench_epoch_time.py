@@ -15,7 +15,7 @@ from bench.epoch_time.__main__ import main
 from bench.epoch_time.collect import HORIZONS, RunResult, project_total, summarize
 from bench.epoch_time.plan import SWITCHES, RunSpec, build_plan, cache_key, check_with_hydra, default_name
 from bench.epoch_time.report import CSV_COLUMNS, format_duration, markdown_table, ratios, table_row, write_csv
-from tests.conftest import REPO
+from tests.conftest import REPO, run_train
 from tpustream.training.epoch_report import EpochRecord
 
 
@@ -314,29 +314,20 @@ def test_sweep_end_to_end_on_native_pytorch(digits_root, tmp_path):
 @pytest.mark.slow
 def test_a_hydra_multirun_of_train_py_is_collected_into_the_same_report(digits_root, tmp_path):
     sweep = tmp_path / "multirun"
-    multirun = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            "-m",
-            "eval_every=1,0",
-            "batch_size=128",
-            "epochs=2",
-            f"data.root={digits_root}",
-            f"data.train_shards='{digits_root}/train/train-{{000000..000001}}.tar'",
-            "data.num_workers=0",
-            "accelerator.in_process=true",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(REPO),
+    multirun = run_train(
+        "-m",
+        "eval_every=1,0",
+        "batch_size=128",
+        "epochs=2",
+        f"data.root={digits_root}",
+        f"data.train_shards='{digits_root}/train/train-{{000000..000001}}.tar'",
+        "data.num_workers=0",
+        "accelerator.in_process=true",
+        f"hydra.sweep.dir={sweep}",
     )
     assert multirun.returncode == 0, multirun.stderr[-3000:]
     out = tmp_path / "report"
-    done = run_harness("--collect", str(sweep), "--out", str(out))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(["--collect", str(sweep), "--out", str(out)]) == 0
 
     with open(out / "runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import assert_same_run, run_train, sigterm_at_step, train_command, xla_cpu_env
+from tests.conftest import assert_same_run, run_train, xla_cpu_env
 from tpustream.checkpoint import checkpoint_url, load_checkpoint, read_metrics
 from tpustream.errors import PREEMPTED_EXIT_CODE
 
@@ -206,8 +206,10 @@ def test_spmd_evaluates_exactly_compiles_once_and_resumes_on_2_devices(
     assert records[0]["compilations"] == records[1]["compilations"]
 
 
-def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_factory, fsdp_straight):
-    """FSDP_RECIPE stopped by a signal to its group, the replica in a child process; resumed bit for bit."""
+def test_spmd_fsdp_stopped_in_epoch_1_saves_and_resumes_bitwise(digits_root, tmp_path_factory, fsdp_straight):
+    """FSDP_RECIPE stopped 3 steps into epoch 1 (after an epoch's end, between periodic saves), then
+    resumed: bit for bit the straight run, weight average included. (debug.stop_at_step is the stop
+    a SIGTERM requests; the signal's way to it, into replica processes, is test_preemption's.)"""
     straight = fsdp_straight
     records = read_metrics(straight)
     assert records[0]["compilations"] == records[1]["compilations"]
@@ -216,17 +218,14 @@ def test_spmd_fsdp_sigterm_saves_and_resumes_bitwise(digits_root, tmp_path_facto
     assert [r["val_samples"] for r in records] == [359, 359]
     assert records[1]["val_accuracy"] > 0.3  # chance is 10%; mixup and erasing slow 2 epochs down
 
-    folder = tmp_path_factory.mktemp("fsdp-sigterm")
-    run = str(folder / "run")
-    command = train_command(*common(digits_root, run, str(folder / "h1"), *FSDP_RECIPE))
-    target = STEPS_PER_EPOCH  # logged at epoch 1's step 0; the stop comes a few steps later
-    code, stderr = sigterm_at_step(command, target, STEPS_PER_EPOCH)
-    assert code == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    stop = STEPS_PER_EPOCH + 3
+    stopped_at = f"debug.stop_at_step={stop}"
+    run = train(tmp_path_factory, "fsdp-stopped", digits_root, *FSDP_RECIPE, stopped_at, code=STOPPED)
     saved = last(run)
-    assert saved["strategy"] == "spmd_fsdp" and target <= saved["global_step"] < 2 * STEPS_PER_EPOCH
+    assert saved["strategy"] == "spmd_fsdp" and saved["global_step"] == stop
+    assert (saved["position"]["epoch"], saved["position"]["step"]) == (1, 3)
 
-    in_process = "accelerator.in_process=true"
-    resumed = run_train(*common(digits_root, run, str(folder / "h2"), in_process, *FSDP_RECIPE))
+    resumed = run_train(*common(digits_root, run, f"{run}-h2", "accelerator.in_process=true", *FSDP_RECIPE))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(run, straight, steps=2 * STEPS_PER_EPOCH)
 
