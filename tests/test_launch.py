@@ -695,3 +695,22 @@ def test_a_run_deletes_what_saves_killed_mid_write_left_and_nothing_else(prepare
     prepared(f"output_dir={out}", f"checkpoint.local_dir={local}")
     assert not any(path.exists() for path in stale) and all(path.exists() for path in kept)
     assert caplog.text.count("which a write killed before it finished left behind") == 3
+
+
+def test_replica_processes_share_the_hosts_cpus_for_torchs_threads(monkeypatch):
+    import torch
+
+    from tpustream.launch import spawn
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(spawn, "usable_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert spawn.share_host_threads(3) == 2 and torch.get_num_threads() == 2  # 8 vCPUs, 3 replicas
+        assert spawn.share_host_threads(16) == 1  # more replicas than vCPUs: one thread each
+        torch.set_num_threads(before)
+        assert spawn.share_host_threads(1) is None and torch.get_num_threads() == before  # a host's only one
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice
+        assert spawn.share_host_threads(3) is None and torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

@@ -39,6 +39,7 @@ from tpustream.launch.hosts import NativeHosts, native_hosts
 from tpustream.launch.plan import RunPlan, read_final_metrics
 from tpustream.launch.replica import run_replica
 from tpustream.logs import setup_replica_logging
+from tpustream.observe.advice import usable_cpus
 from tpustream.preemption import Preempted, exit_with_parent, install_stop_handlers, starting_replicas
 from tpustream.watchdog import Limits, Reports, Watchdog, start_watchdog, stop_watchdog
 
@@ -167,6 +168,27 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
+def share_host_threads(replicas_here: int) -> int | None:
+    """Give this replica process its share of the host's vCPUs for torch's intra-op threads.
+
+    torch sizes its thread pool to every vCPU the process may use, so N
+    replica processes on one host ask for N times the cores, and OpenMP's
+    threads spin while they wait for each other: 2 eager CPU replicas on 2
+    cores spent 55 CPU-seconds on a 3-epoch digits run with 2 threads each,
+    36 with 1 (its epochs took 1.1 s instead of 2.7). torchrun sets
+    OMP_NUM_THREADS=1 for its processes for the same reason; a share keeps
+    a one-replica host's cores busy. OMP_NUM_THREADS, when set, is the
+    user's choice and wins. Returns the count set, or None.
+    """
+    if replicas_here <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    threads = max(1, usable_cpus() // replicas_here)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable[[], Any]) -> None:
     """One replica process, from its logging to its end; re-raises what the parent must report."""
     setup_replica_logging(rank, world, plan.cfg.log_dir)
@@ -174,6 +196,7 @@ def replica_process(plan: RunPlan, rank: int, world: int, make_runtime: Callable
     child = multiprocessing.parent_process() is not None  # a spawned child, not train.py itself
     if child:
         exit_with_parent()
+    share_host_threads(local_replicas(plan.cfg))
     watchdog = start_watchdog(replica_watchdog(plan, rank))
     try:
         run_replica(plan, make_runtime())
