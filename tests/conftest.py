@@ -44,9 +44,10 @@ def share_cores_among_workers() -> None:
     The workers run side by side, each on about one core of this project's 2,
     and every eager step of theirs (in process, in train.py, in its replicas)
     otherwise spread its ops over both cores, whose OpenMP threads spin while
-    they wait for each other. Measured: the suite in 13:40 with one thread for
-    each worker's processes, against 14:42 in the run before with neither this
-    nor the replicas' share (20.5 and 22.8 CPU-minutes of user time).
+    they wait for each other. Measured (2026-11-29): the suite in 13:40 and
+    12:50 with one thread for each worker's processes (20.5 and 19.3
+    CPU-minutes of user time), 14:42 in the run before with neither this nor
+    the replicas' share (22.8); the same code varies by a minute here.
     The replicas' own share (launch.spawn.share_host_threads) steps aside for
     the OMP_NUM_THREADS set here; one set by the caller wins over both.
     """
