@@ -135,7 +135,27 @@ class Reader:
         DecodeCrop()
 
 
-class TpustreamReader(Reader):
+class StatefulLoaderReader(Reader):
+    """A reader over a loader with torch's state_dict / load_state_dict (tpustream's ShardLoader,
+    Mosaic's StreamingDataLoader, torchdata's StatefulDataLoader); batches {"image", "index"}
+    unless a subclass reads its own."""
+
+    loader: Any  # set by the subclass's __init__
+
+    def start(self, state: Any = None) -> None:
+        if state is not None:
+            self.loader.load_state_dict(state)
+        self.batches = iter(self.loader)
+
+    def next_batch(self) -> tuple[int, np.ndarray]:
+        batch = next(self.batches)
+        return counted(batch["image"]), batch["index"].numpy()
+
+    def state(self) -> Any:
+        return self.loader.state_dict()
+
+
+class TpustreamReader(StatefulLoaderReader):
     name = "tpustream"
 
     def __init__(self, data: LoaderData, place: Place):
@@ -152,19 +172,11 @@ class TpustreamReader(Reader):
             seed=place.seed,
         )
 
-    def start(self, state: Any = None) -> None:
-        if state is not None:
-            self.loader.load_state_dict(state)
-        self.batches = iter(self.loader)
-
     def next_batch(self) -> tuple[int, np.ndarray]:
         batch = next(self.batches)
         ids = batch["sample_id"][batch["real"]].numpy()
         shard, place = ids >> SHARD_ID_SHIFT, ids & ((1 << SHARD_ID_SHIFT) - 1)
         return counted(batch["image"]), shard * self.data.spec.samples_per_shard + place
-
-    def state(self) -> Any:
-        return self.loader.state_dict()
 
     def close(self) -> None:
         self.loader.close()
@@ -226,25 +238,6 @@ def mosaic_dataset_class() -> type:
             return {"image": self.crop(sample["jpg"]), "index": int(sample["index"])}
 
     return CroppedImages
-
-
-class StatefulLoaderReader(Reader):
-    """A reader over a DataLoader with torch's state_dict / load_state_dict, whose batches are
-    {"image", "index"} (Mosaic's StreamingDataLoader, torchdata's StatefulDataLoader)."""
-
-    loader: Any  # set by the subclass's __init__
-
-    def start(self, state: Any = None) -> None:
-        if state is not None:
-            self.loader.load_state_dict(state)
-        self.batches = iter(self.loader)
-
-    def next_batch(self) -> tuple[int, np.ndarray]:
-        batch = next(self.batches)
-        return counted(batch["image"]), batch["index"].numpy()
-
-    def state(self) -> Any:
-        return self.loader.state_dict()
 
 
 class MosaicReader(StatefulLoaderReader):
